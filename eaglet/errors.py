@@ -1,0 +1,21 @@
+"""Exceptions raised on bad input. Each carries a message that names the problem."""
+
+
+class EagletError(Exception):
+    """Base class of every error eaglet raises on purpose."""
+
+
+class ConfigError(EagletError, ValueError):
+    """A config.json (or preprocessor_config.json) that eaglet cannot run as written."""
+
+
+class CheckpointError(EagletError, ValueError):
+    """Missing, unexpected or mis-shaped tensors, unreadable shards, unsupported quantization."""
+
+
+class InvalidRequestError(EagletError, ValueError):
+    """A request that cannot be served: bad token ids, placeholder/image mismatch, too long."""
+
+
+class ImageError(InvalidRequestError):
+    """An image that cannot be decoded or processed."""
