@@ -1,0 +1,269 @@
+"""The engine: request admission, batched prefill and decode steps, finishing, and detokenizing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.engine.model_runner import ModelRunner
+from eaglet.engine.request import Request, RequestOutput, RequestStatus
+from eaglet.errors import ConfigError, ImageError, InvalidRequestError
+from eaglet.layers.attention_backend import TorchNativeMLABackend
+from eaglet.layers.sampler import sample
+from eaglet.models.registry import load_model, resolve_dtype
+from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
+from eaglet.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "bfloat16"
+    max_running_requests: int = 64
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_blocks: int | None = None  # default: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    show_progress: bool = True
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise ConfigError(f"model path {config.model!r} is not a directory")
+        dtype = resolve_dtype(config.dtype)
+        self.model, self.model_config = load_model(model_dir, dtype, show_progress=config.show_progress)
+        text = self.model_config.text
+        self.context_len = min(config.context_length or text.max_position_embeddings, text.max_position_embeddings)
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.eos_token_ids = set(text.eos_token_ids) | _generation_eos(model_dir)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.image_processor = None
+        if self.model_config.is_multimodal:
+            from eaglet.multimodal.image_processor import ImageProcessorConfig, KimiImageProcessor
+
+            self.image_processor = KimiImageProcessor(ImageProcessorConfig.from_pretrained(model_dir))
+
+        blocks_per_request = -(-self.context_len // config.block_size)
+        if config.kv_cache_blocks is not None:
+            num_blocks = config.kv_cache_blocks
+        else:
+            block_bytes = text.num_hidden_layers * config.block_size * text.kv_cache_dim * dtype.itemsize
+            by_memory = int(config.kv_cache_memory_gb * 2**30 // block_bytes)
+            num_blocks = min(by_memory, config.max_running_requests * blocks_per_request)
+        self.cache = KVCacheManager(
+            num_layers=text.num_hidden_layers,
+            kv_cache_dim=text.kv_cache_dim,
+            num_blocks=num_blocks + 1,
+            block_size=config.block_size,
+            max_requests=config.max_running_requests,
+            max_context_len=self.context_len,
+            dtype=dtype,
+        )
+        self.runner = ModelRunner(self.model, self.model_config, self.cache, TorchNativeMLABackend(self.cache))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._reserved_blocks: dict[str, int] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validates and queues a request. Raises InvalidRequestError (nothing is queued) on bad input."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids, mm_inputs = self._prepare_prompt(prompt)
+        needed = len(token_ids) + params.max_new_tokens
+        if needed > self.context_len:
+            raise InvalidRequestError(
+                f"prompt of {len(token_ids)} tokens + max_new_tokens {params.max_new_tokens} = {needed} "
+                f"exceeds the context length {self.context_len}"
+            )
+        if self.cache.blocks_needed(needed) > self.cache.allocator.num_usable:
+            raise InvalidRequestError(
+                f"request needs {self.cache.blocks_needed(needed)} cache blocks; the cache has "
+                f"{self.cache.allocator.num_usable}"
+            )
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator()
+            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        req = Request(request_id, token_ids, params, mm_inputs, generator=generator)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def _prepare_prompt(self, prompt: str | dict[str, Any]) -> tuple[list[int], MultimodalInputs | None]:
+        images: list[Any] = []
+        if isinstance(prompt, str):
+            token_ids = self._encode(prompt)
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "images"}
+            if unknown:
+                raise InvalidRequestError(f"unknown request fields: {sorted(unknown)}")
+            if "prompt_token_ids" in prompt:
+                token_ids = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                token_ids = self._encode(prompt["prompt"])
+            else:
+                raise InvalidRequestError("a request dict needs 'prompt_token_ids' or 'prompt'")
+            images = list(prompt.get("images") or [])
+        else:
+            raise InvalidRequestError(f"a request is a string or a dict, got {type(prompt).__name__}")
+        vocab = self.model_config.text.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if not self.model_config.is_multimodal:
+            if images:
+                raise InvalidRequestError("this model has no vision tower; images are not accepted")
+            return token_ids, None
+        image_token_id = self.model_config.image_token_id
+        if not images:
+            if image_token_id in token_ids:
+                raise InvalidRequestError(
+                    f"the prompt holds image placeholder token(s) (id {image_token_id}) but no images were given"
+                )
+            return token_ids, None
+        from eaglet.multimodal.image_processor import load_image
+
+        try:
+            processed = self.image_processor([load_image(img) for img in images])
+        except ImageError:
+            raise
+        except Exception as exc:  # a PIL decoder failing half-way raises its own types
+            raise ImageError(f"could not process the image: {exc}") from exc
+        token_ids, positions = expand_placeholders(token_ids, image_token_id, processed.num_placeholder_tokens)
+        return token_ids, MultimodalInputs(processed.pixel_values, processed.grid_thws, positions)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer; pass {'prompt_token_ids': [...]}")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward: prefill the newly admitted requests together, else decode all running ones.
+
+        Returns the outputs of the requests that finished in this step.
+        """
+        admitted = self._admit()
+        batch_requests = admitted if admitted else list(self.running)
+        if not batch_requests:
+            return []
+        num_new = [r.num_tokens - r.num_cached_tokens for r in batch_requests]
+        _, output = self.runner.extend(batch_requests, num_new)
+        next_tokens = sample(
+            output.logits, [r.sampling_params for r in batch_requests], [r.generator for r in batch_requests]
+        ).tolist()
+        finished: list[RequestOutput] = []
+        for req, token in zip(batch_requests, next_tokens):
+            req.output_token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                finished.append(self._finish(req, reason))
+        return finished
+
+    def _admit(self) -> list[Request]:
+        """Moves waiting requests to running while rows and cache blocks (for the whole request) last."""
+        admitted: list[Request] = []
+        free_blocks = self.cache.num_free_blocks - sum(
+            self._reserved_blocks[r.request_id] - len(self.cache.row_blocks[r.req_pool_idx]) for r in self.running
+        )
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            need = self.cache.blocks_needed(len(req.prompt_token_ids) + req.sampling_params.max_new_tokens)
+            if need > free_blocks:
+                break
+            self.waiting.popleft()
+            req.req_pool_idx = self.cache.alloc_row()
+            req.status = RequestStatus.RUNNING
+            self._reserved_blocks[req.request_id] = need
+            free_blocks -= need
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        params = req.sampling_params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(req.output_token_ids) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.cache.free_row(req.req_pool_idx)
+        self.running.remove(req)
+        del self._reserved_blocks[req.request_id]
+        del self.requests[req.request_id]
+        req.mm_inputs = None
+        return self.output_of(req)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self.cache.free_row(req.req_pool_idx)
+            self.running.remove(req)
+            del self._reserved_blocks[request_id]
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+
+    def output_of(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text, req.finish_reason)
+
+
+def _load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase | None
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ConfigError(f"{model_dir}: tokenizer files are present but could not be loaded ({exc})") from exc
+
+
+def _generation_eos(model_dir: Path) -> set[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if isinstance(eos, int):
+        return {eos}
+    return {t for t in eos or [] if isinstance(t, int)}

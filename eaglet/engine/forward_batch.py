@@ -1,0 +1,127 @@
+"""The ragged batch contract: everything a forward pass needs to know about a flat batch.
+
+A forward runs over ONE flat buffer holding the new tokens of every request, request after request.
+Per request i (in batch order):
+
+- ``extend_start_loc[i]``: offset of its first new token in the flat buffer;
+- ``extend_seq_lens[i]``: how many new tokens it has (1 for a decode step);
+- ``extend_prefix_lens[i]``: how many of its tokens are already in the KV cache;
+- ``seq_lens[i] = extend_prefix_lens[i] + extend_seq_lens[i]``;
+- ``req_pool_indices[i]``: its row in the request-to-slots table (``ReqToTokenPool``), whose first
+  ``seq_lens[i]`` entries are the cache slots of its tokens in order.
+
+Per token t of the flat buffer:
+
+- ``positions[t]``: its RoPE position;
+- ``out_cache_loc[t]``: the cache slot this forward writes its K/V latent to;
+- ``input_ids[t]``: its token id (multimodal placeholders included; see ``input_embeds``).
+
+Any per-request operation on the flat buffer must use the request's own segment
+``[extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i])``: the last token of request i
+is ``extend_start_loc[i] + extend_seq_lens[i] - 1``, never ``x[-1]`` of the buffer.
+
+A forward returns logits only at ``logits_indices`` (default: each request's last token) and,
+when ``capture_layers`` is set, the residual stream after each of those layers, concatenated
+along the hidden dimension, at every token (EAGLE-3 reads three of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill / chunked prefill: new tokens attend in the decompressed form
+    DECODE = auto()  # one new token per request: absorbed attention over the latent cache
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+    extend_seq_lens: torch.Tensor  # [B] int64
+    extend_prefix_lens: torch.Tensor  # [B] int64
+    extend_start_loc: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [K] int64 rows of the flat buffer to compute logits at
+    # Host copies of the per-request lengths, for loops and shapes without device syncs.
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)
+    # Token embeddings to use instead of embed_tokens(input_ids) (multimodal merge), [T, D].
+    input_embeds: torch.Tensor | None = None
+    # Layer ids whose output residual stream is returned (EAGLE-3 auxiliary hidden states).
+    capture_layers: tuple[int, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @staticmethod
+    def last_token_indices(extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor) -> torch.Tensor:
+        return extend_start_loc + extend_seq_lens - 1
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        input_ids: list[int] | torch.Tensor,
+        req_pool_indices: list[int],
+        extend_prefix_lens: list[int],
+        extend_seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mode: ForwardMode | None = None,
+        logits_indices: torch.Tensor | None = None,
+        input_embeds: torch.Tensor | None = None,
+        capture_layers: tuple[int, ...] = (),
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Derives every offset from the per-request lengths, so callers cannot get them inconsistent."""
+        if len(req_pool_indices) != len(extend_prefix_lens) or len(extend_prefix_lens) != len(extend_seq_lens):
+            raise ValueError("req_pool_indices, extend_prefix_lens and extend_seq_lens differ in length")
+        if any(n <= 0 for n in extend_seq_lens):
+            raise ValueError("every request in a forward batch needs at least one new token")
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+        total = sum(extend_seq_lens)
+        if ids.shape[0] != total or out_cache_loc.shape[0] != total:
+            raise ValueError(f"flat buffer holds {ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
+        seq_lens_cpu = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
+        ext_lens = torch.tensor(extend_seq_lens, dtype=torch.long, device=device)
+        prefix_lens = torch.tensor(extend_prefix_lens, dtype=torch.long, device=device)
+        start_loc = torch.cumsum(ext_lens, 0) - ext_lens
+        if positions is None:
+            positions = torch.cat(
+                [torch.arange(p, p + n, dtype=torch.long) for p, n in zip(extend_prefix_lens, extend_seq_lens)]
+            ).to(device)
+        if mode is None:
+            mode = ForwardMode.DECODE if all(n == 1 for n in extend_seq_lens) else ForwardMode.EXTEND
+        if logits_indices is None:
+            logits_indices = cls.last_token_indices(start_loc, ext_lens)
+        return cls(
+            mode=mode,
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.long),
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.long, device=device),
+            seq_lens=prefix_lens + ext_lens,
+            extend_seq_lens=ext_lens,
+            extend_prefix_lens=prefix_lens,
+            extend_start_loc=start_loc,
+            logits_indices=logits_indices,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_seq_lens_cpu=list(extend_seq_lens),
+            extend_prefix_lens_cpu=list(extend_prefix_lens),
+            input_embeds=input_embeds,
+            capture_layers=capture_layers,
+        )

@@ -1,0 +1,144 @@
+"""Paged MLA latent cache.
+
+Per token per layer the cache stores ``kv_lora_rank + qk_rope_head_dim`` values: the normalized
+compressed latent c_kv followed by the roped shared key k_pe. K and V are never stored
+decompressed. Slots are grouped into fixed-size blocks; a block allocator with reference counts
+hands blocks to requests (a block shared by a prefix cache holds several references).
+
+Block 0 is reserved: its slots are the padding target of unused table entries, never written by a
+real token, so a padded gather can never read another request's data by accident.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from eaglet.errors import EagletError
+
+
+class OutOfCacheBlocks(EagletError):
+    """Not enough free KV-cache blocks for the requested allocation."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, reserved: int = 1) -> None:
+        if num_blocks <= reserved:
+            raise ValueError(f"need more than {reserved} cache blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(reserved, num_blocks))
+        self.num_usable = num_blocks - reserved
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfCacheBlocks(f"asked for {n} cache blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self.ref_counts[b] = 1
+        return blocks
+
+    def incref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"incref of free cache block {b}")
+            self.ref_counts[b] += 1
+
+    def decref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"double free of cache block {b}")
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free.append(b)
+
+
+class KVCacheManager:
+    """Owns the latent buffers, the block allocator and the request-to-slots table."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_cache_dim: int,
+        num_blocks: int,
+        block_size: int,
+        max_requests: int,
+        max_context_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.max_context_len = max_context_len
+        self.allocator = BlockAllocator(num_blocks)
+        self.kv = torch.zeros(num_layers, num_blocks * block_size, kv_cache_dim, dtype=dtype, device=device)
+        # req_to_token[row, i] = cache slot of the row's i-th token; 0 (reserved) where unused.
+        self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.long, device=device)
+        self._free_rows: deque[int] = deque(range(max_requests))
+        self.row_blocks: dict[int, list[int]] = {}
+        self.row_len: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_new_tokens_per_row: list[tuple[int | None, int]]) -> bool:
+        """Whether every (row or None, target length) can grow to its length at once."""
+        need = 0
+        for row, target in num_new_tokens_per_row:
+            have = len(self.row_blocks[row]) if row is not None else 0
+            need += max(0, self.blocks_needed(target) - have)
+        return need <= self.allocator.num_free
+
+    def alloc_row(self) -> int:
+        if not self._free_rows:
+            raise OutOfCacheBlocks("no free request rows in the request-to-slots table")
+        row = self._free_rows.popleft()
+        self.row_blocks[row] = []
+        self.row_len[row] = 0
+        return row
+
+    def grow(self, row: int, new_len: int) -> torch.Tensor:
+        """Extends the row to new_len tokens; returns the slots of positions [old_len, new_len)."""
+        old_len = self.row_len[row]
+        if new_len > self.max_context_len:
+            raise OutOfCacheBlocks(f"sequence of {new_len} tokens exceeds the table width {self.max_context_len}")
+        blocks = self.row_blocks[row]
+        missing = self.blocks_needed(new_len) - len(blocks)
+        if missing > 0:
+            blocks.extend(self.allocator.allocate(missing))
+        positions = torch.arange(old_len, new_len)
+        block_ids = torch.tensor(blocks, dtype=torch.long)[positions // self.block_size]
+        slots = block_ids * self.block_size + positions % self.block_size
+        self.req_to_token[row, old_len:new_len] = slots.to(self.req_to_token.device)
+        self.row_len[row] = new_len
+        return slots
+
+    def truncate(self, row: int, new_len: int) -> None:
+        """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
+        keep = self.blocks_needed(new_len)
+        blocks = self.row_blocks[row]
+        if len(blocks) > keep:
+            self.allocator.decref(blocks[keep:])
+            del blocks[keep:]
+        self.req_to_token[row, new_len : self.row_len[row]] = 0
+        self.row_len[row] = min(self.row_len[row], new_len)
+
+    def free_row(self, row: int) -> None:
+        self.allocator.decref(self.row_blocks.pop(row))
+        self.req_to_token[row, : self.row_len.pop(row)] = 0
+        self._free_rows.append(row)
+
+    def write(self, layer_id: int, out_cache_loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        latent_dim = c_kv.shape[-1]
+        buf = self.kv[layer_id]
+        buf[out_cache_loc, :latent_dim] = c_kv.to(buf.dtype)
+        buf[out_cache_loc, latent_dim:] = k_pe.to(buf.dtype)

@@ -1,0 +1,73 @@
+"""Builds the ragged ForwardBatch for a set of requests and runs the model over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eaglet.config import ModelConfig
+from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.engine.request import Request
+from eaglet.layers.attention_backend import AttentionBackend
+from eaglet.models.deepseek_v3 import ForwardOutput
+from eaglet.multimodal.embedding import merge_image_features
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, config: ModelConfig, cache: KVCacheManager, backend: AttentionBackend) -> None:
+        self.model = model
+        self.config = config
+        self.cache = cache
+        self.backend = backend
+
+    @torch.inference_mode()
+    def extend(
+        self, requests: list[Request], num_new_tokens: list[int], capture_layers: tuple[int, ...] = ()
+    ) -> tuple[ForwardBatch, ForwardOutput]:
+        """Runs the next ``num_new_tokens[i]`` uncached tokens of each request (prefill chunk or decode).
+
+        Grows each request's cache row, writes the latents, and returns logits at each request's
+        last new token.
+        """
+        input_ids: list[int] = []
+        out_cache_loc: list[torch.Tensor] = []
+        prefix_lens: list[int] = []
+        for req, num_new in zip(requests, num_new_tokens):
+            start = req.num_cached_tokens
+            input_ids.extend(req.token_ids(start, start + num_new))
+            out_cache_loc.append(self.cache.grow(req.req_pool_idx, start + num_new))
+            prefix_lens.append(start)
+        batch = ForwardBatch.build(
+            input_ids=input_ids,
+            req_pool_indices=[r.req_pool_idx for r in requests],
+            extend_prefix_lens=prefix_lens,
+            extend_seq_lens=list(num_new_tokens),
+            out_cache_loc=torch.cat(out_cache_loc),
+            capture_layers=capture_layers,
+        )
+        batch.input_embeds = self.merged_embeddings(requests, batch)
+        output = self.model(batch, self.backend)
+        for req, num_new in zip(requests, num_new_tokens):
+            req.num_cached_tokens += num_new
+        return batch, output
+
+    def merged_embeddings(self, requests: list[Request], batch: ForwardBatch) -> torch.Tensor | None:
+        """Token embeddings with image features at placeholder rows, or None for a text-only batch."""
+        rows: list[torch.Tensor] = []
+        features: list[torch.Tensor] = []
+        for i, req in enumerate(requests):
+            mm = req.mm_inputs
+            if mm is None:
+                continue
+            start = batch.extend_prefix_lens_cpu[i]
+            offsets, feature_ids = mm.feature_rows(start, start + batch.extend_seq_lens_cpu[i])
+            if feature_ids.numel() == 0:
+                continue
+            if mm.features is None:
+                mm.features = self.model.encode_images(mm.pixel_values, mm.grid_thws)
+            rows.append(offsets + int(batch.extend_start_loc[i]))
+            features.append(mm.features[feature_ids])
+        if not rows:
+            return None
+        return merge_image_features(self.model.embed_tokens, batch.input_ids, torch.cat(rows), torch.cat(features))

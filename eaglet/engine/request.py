@@ -1,0 +1,54 @@
+"""A request's state inside the engine, and what the engine returns for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from eaglet.multimodal.inputs import MultimodalInputs
+from eaglet.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]  # placeholders already expanded
+    sampling_params: SamplingParams
+    mm_inputs: MultimodalInputs | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    req_pool_idx: int | None = None
+    num_cached_tokens: int = 0  # tokens whose latents are in the KV cache
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_new_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,109 @@
+"""MLA attention backends over the paged latent cache.
+
+A backend writes the new tokens' latents to the cache and attends. Model code calls only
+``backend.forward``; a fused kernel can replace :class:`TorchNativeMLABackend` without touching it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.engine.kv_cache import KVCacheManager
+
+if TYPE_CHECKING:
+    from eaglet.layers.mla import MLAAttention
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        layer: MLAAttention,
+        q_nope: torch.Tensor,  # [T, H, P]
+        q_pe: torch.Tensor,  # [T, H, R] roped
+        c_kv: torch.Tensor,  # [T, L] normalized latent of the new tokens
+        k_pe: torch.Tensor,  # [T, R] roped shared key of the new tokens
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, V]
+        ...
+
+
+class TorchNativeMLABackend:
+    """Plain PyTorch MLA.
+
+    EXTEND batches attend in the decompressed form (kv_b_proj applied to each request's cached
+    latents; cheap per query when many new tokens share the keys). DECODE batches attend in the
+    absorbed form: queries are projected into the latent space, so each cached token is read as
+    kv_lora_rank + qk_rope_head_dim values and never decompressed. ``absorbed_extend`` forces the
+    absorbed form for EXTEND too (used to check the two forms against each other).
+    """
+
+    def __init__(self, cache: KVCacheManager, absorbed_extend: bool = False) -> None:
+        self.cache = cache
+        self.absorbed_extend = absorbed_extend
+
+    def forward(
+        self,
+        layer: MLAAttention,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        self.cache.write(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
+        if batch.mode == ForwardMode.DECODE or self.absorbed_extend:
+            return self._absorbed(layer, q_nope, q_pe, batch)
+        return self._decompressed(layer, q_nope, q_pe, batch)
+
+    def _decompressed(
+        self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        kv_cache = self.cache.kv[layer.layer_id]
+        rows = batch.req_pool_indices.tolist()
+        heads, nope, latent = layer.num_heads, layer.qk_nope_head_dim, layer.kv_lora_rank
+        out = q_nope.new_empty(q_nope.shape[0], heads, layer.v_head_dim)
+        start = 0
+        for row, prefix_len, num_new in zip(rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu):
+            seq_len = prefix_len + num_new
+            cached = kv_cache[self.cache.req_to_token[row, :seq_len]]  # [S, L+R]
+            kv = F.linear(cached[:, :latent], layer.kv_b_proj.weight).view(seq_len, heads, -1)
+            k_nope, v = kv.split([nope, layer.v_head_dim], dim=-1)
+            k_pe = cached[:, None, latent:].expand(seq_len, heads, layer.qk_rope_head_dim)
+            k = torch.cat([k_nope, k_pe], dim=-1)
+            q = torch.cat([q_nope[start : start + num_new], q_pe[start : start + num_new]], dim=-1)
+            query_index = torch.arange(prefix_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= query_index[:, None]
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=layer.scaling
+            )
+            out[start : start + num_new] = o.transpose(0, 1)
+            start += num_new
+        return out
+
+    def _absorbed(
+        self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        latent = layer.kv_lora_rank
+        max_len = max(batch.seq_lens_cpu)
+        slots = self.cache.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]
+        cached = self.cache.kv[layer.layer_id][slots]  # [B, S, L+R]
+        token_req = torch.repeat_interleave(
+            torch.arange(batch.batch_size, device=q_nope.device), batch.extend_seq_lens, output_size=q_nope.shape[0]
+        )
+        # Cache index of each query token: its request's prefix length + its offset in the segment.
+        offsets = torch.arange(q_nope.shape[0], device=q_nope.device) - batch.extend_start_loc[token_req]
+        query_index = batch.extend_prefix_lens[token_req] + offsets
+        mask = torch.arange(max_len, device=q_nope.device)[None, :] <= query_index[:, None]  # [T, S]
+
+        q_latent = torch.einsum("thp,hpl->thl", q_nope, layer.w_uk)
+        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L+R]
+        keys = cached[token_req] if batch.mode != ForwardMode.DECODE else cached  # [T, S, L+R]
+        scores = torch.bmm(q, keys.transpose(1, 2)).float() * layer.scaling  # [T, H, S]
+        scores.masked_fill_(~mask[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        o_latent = torch.bmm(probs, keys[:, :, :latent])  # [T, H, L]
+        return torch.einsum("thl,hvl->thv", o_latent, layer.w_uv)

@@ -1,0 +1,81 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) for inference over the latent cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from eaglet.config import TextConfig
+from eaglet.layers.norms import RMSNorm
+from eaglet.layers.rotary import RotaryEmbedding, softmax_scale
+
+if TYPE_CHECKING:
+    from eaglet.engine.forward_batch import ForwardBatch
+    from eaglet.layers.attention_backend import AttentionBackend
+
+
+class MLAAttention(nn.Module):
+    """Projections of one MLA layer; the attention itself is the backend's.
+
+    Weights keep the checkpoint names and [out, in] layout. ``input_size`` differs from hidden_size
+    only for an EAGLE-3 MLA draft, whose q_a / kv_a projections read the 2*hidden concatenation.
+    """
+
+    def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
+        super().__init__()
+        input_size = input_size or config.hidden_size
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scaling = softmax_scale(config.qk_head_dim, config.rope)
+        self.rotary = rotary
+        heads_qk = self.num_heads * config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(input_size, heads_qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads_qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            input_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Splits kv_b_proj into the absorbed-form matrices W_UK [H, P, L] and W_UV [H, V, L]."""
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, self.qk_nope_head_dim :].contiguous()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe = self.rotary(q_pe, cos, sin)
+        k_pe = self.rotary(k_pe, cos, sin)
+        attn = backend.forward(self, q_nope, q_pe, c_kv, k_pe, batch)  # [T, H, V]
+        return self.o_proj(attn.reshape(num_tokens, self.num_heads * self.v_head_dim))

@@ -1,0 +1,114 @@
+"""DeepSeek-V3 feed-forward blocks: the dense SwiGLU MLP and the routed mixture of experts."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglet.config import TextConfig
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NoAuxRouter(nn.Module):
+    """Sigmoid scores, selection biased by e_score_correction_bias within the best expert groups."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        num_experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k] float32, expert ids [T, k])."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        biased = scores + self.e_score_correction_bias
+        num_tokens, num_experts = biased.shape
+        grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+        biased = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(num_tokens, num_experts)
+        expert_ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, expert_ids
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts' SwiGLU weights stacked: w13 = [gate; up] per expert, w2 = down.
+
+    Tokens are grouped by expert (one sort), then each active expert runs one matmul over its tokens.
+    The checkpoint stores each expert separately; :meth:`checkpoint_weights` maps those names onto
+    slices of the stacked tensors.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def checkpoint_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        inter = self.intermediate_size
+        views: dict[str, torch.Tensor] = {}
+        for e in range(self.num_experts):
+            views[f"{prefix}{e}.gate_proj.weight"] = self.w13.data[e, :inter]
+            views[f"{prefix}{e}.up_proj.weight"] = self.w13.data[e, inter:]
+            views[f"{prefix}{e}.down_proj.weight"] = self.w2.data[e]
+        return views
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = expert_ids.shape
+        flat_ids = expert_ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        sorted_x = x[token_of]
+        sorted_w = weights.reshape(-1)[order].to(x.dtype)
+        sorted_out = torch.empty_like(sorted_x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = F.linear(sorted_x[start:end], self.w13[expert]).chunk(2, dim=-1)
+            sorted_out[start:end] = F.linear(F.silu(gate) * up, self.w2[expert])
+            start = end
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of, sorted_out * sorted_w[:, None])
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.gate = NoAuxRouter(config)
+        self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = (
+            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(x)
+        out = self.experts(x, weights, expert_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

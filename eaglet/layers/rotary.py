@@ -1,0 +1,84 @@
+"""Rotary position embedding for the rope part of MLA heads, with YaRN scaling."""
+
+import math
+
+import torch
+from torch import nn
+
+from eaglet.config import RopeConfig
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """(P+R)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = qk_head_dim**-0.5
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+        m = yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale *= m * m
+    return scale
+
+
+def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    base, factor = rope.theta, rope.factor
+    original = rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
+    if rope.attention_factor is not None:
+        attention_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor)
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the last dimension of q/k by position.
+
+    With ``interleave`` the input pairs are (x0,x1),(x2,x3),...; the output is laid out as
+    [rotated evens, rotated odds], which is what transformers produces. Only q.k matters, and q and
+    k always go through the same layout, so the cached k_pe stays consistent.
+    """
+
+    def __init__(self, dim: int, rope: RopeConfig, interleave: bool) -> None:
+        super().__init__()
+        if rope.rope_type == "yarn":
+            inv_freq, self.attention_factor = _yarn_inv_freq(dim, rope)
+        else:
+            inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            self.attention_factor = 1.0
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleave = interleave
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, ..., dim]; cos/sin: [T, dim/2] (float32)."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos = cos.view(shape).to(x.dtype)
+        sin = sin.view(shape).to(x.dtype)
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,107 @@
+"""DeepSeek-V3 language model (also Kimi-K2 and the text part of Kimi-K2.5), written for inference.
+
+Parameter names equal the checkpoint's tensor names below the model's prefix, so the loader maps
+them one to one (routed experts excepted, see ``RoutedExperts.checkpoint_weights``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eaglet.config import TextConfig
+from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.layers.attention_backend import AttentionBackend
+from eaglet.layers.mla import MLAAttention
+from eaglet.layers.moe import MoE, SwiGLU
+from eaglet.layers.norms import RMSNorm
+from eaglet.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [K, vocab] float32, rows = batch.logits_indices
+    aux_hidden_states: torch.Tensor | None = None  # [T, len(capture_layers) * hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_id, rotary)
+        self.mlp: nn.Module = (
+            MoE(config) if config.is_moe_layer(layer_id) else SwiGLU(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_interleave)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final-normed hidden states [T, D], captured residual streams or None)."""
+        hidden = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        captured: list[torch.Tensor] = []
+        for layer_id, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, batch, backend)
+            if layer_id in batch.capture_layers:
+                captured.append(hidden)
+        aux = None
+        if batch.capture_layers:
+            # Concatenate in the order the caller asked for, not in layer order.
+            by_layer = dict(zip(sorted(set(batch.capture_layers)), captured))
+            aux = torch.cat([by_layer[i] for i in batch.capture_layers], dim=-1)
+        return self.norm(hidden), aux
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters that share storage when the config ties them: {alias: source}."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    def ignored_checkpoint_tensors(self, prefix: str = "") -> tuple[re.Pattern, ...]:
+        """Multi-token-prediction layers (ids >= num_hidden_layers) that published checkpoints append."""
+        if not self.config.num_nextn_predict_layers:
+            return ()
+        first = self.config.num_hidden_layers
+        ids = "|".join(str(first + i) for i in range(self.config.num_nextn_predict_layers))
+        return (re.compile(rf"{re.escape(prefix)}model\.layers\.({ids})\."),)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> ForwardOutput:
+        for layer_id in batch.capture_layers:
+            if not 0 <= layer_id < self.config.num_hidden_layers:
+                raise ValueError(f"capture layer {layer_id} out of range 0..{self.config.num_hidden_layers - 1}")
+        hidden, aux = self.model(batch, backend)
+        logits = self.lm_head(hidden[batch.logits_indices]).float()
+        return ForwardOutput(logits=logits, aux_hidden_states=aux)

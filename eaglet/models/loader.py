@@ -1,0 +1,174 @@
+"""Loads a Hugging Face checkpoint directory (config.json + safetensors) into an eaglet model.
+
+Every tensor the model needs is matched against the checkpoint BEFORE any data is read: missing,
+unexpected and mis-shaped tensors are reported together in one CheckpointError, so nothing ever runs
+on a half-loaded model. Shards are read through safetensors' memory map, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from eaglet.errors import CheckpointError
+
+# Tensors that published checkpoints carry but inference does not use.
+IGNORED_TENSORS = (
+    re.compile(r".*rotary_emb\.inv_freq$"),
+)
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Maps each tensor name to the shard holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        missing_shards = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if missing_shards:
+            raise CheckpointError(f"{model_dir}: shards listed in the index are missing: {missing_shards}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        with _open(single) as f:
+            return {name: single for name in f.keys()}
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no model.safetensors, no model.safetensors.index.json, no *.safetensors")
+    files: dict[str, Path] = {}
+    for shard in shards:
+        with _open(shard) as f:
+            files.update({name: shard for name in f.keys()})
+    return files
+
+
+@contextlib.contextmanager
+def _open(path: Path) -> Iterator:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+
+
+@contextlib.contextmanager
+def skip_init(dtype: torch.dtype) -> Iterator[None]:
+    """Builds modules with uninitialised parameters in ``dtype``: the loader fills every one."""
+    layer_types = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv2d)
+    saved = {cls: cls.reset_parameters for cls in layer_types}
+    previous_dtype = torch.get_default_dtype()
+    try:
+        for cls in layer_types:
+            cls.reset_parameters = lambda self: None
+        torch.set_default_dtype(dtype)
+        yield
+    finally:
+        torch.set_default_dtype(previous_dtype)
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
+def weight_targets(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name -> the tensor (parameter or view of one) it loads into.
+
+    Tied aliases (``tied_weights``) are not expected in the checkpoint; they are re-pointed after loading.
+    """
+    targets: dict[str, torch.Tensor] = {}
+    tied: set[str] = set()
+
+    def visit(module: nn.Module, name: str) -> None:
+        dotted = f"{name}." if name else ""
+        if hasattr(module, "tied_weights"):
+            tied.update(dotted + alias for alias in module.tied_weights())
+        if hasattr(module, "checkpoint_weights"):
+            targets.update(module.checkpoint_weights(f"{prefix}{dotted}"))
+            return
+        for param_name, param in module.named_parameters(recurse=False):
+            if dotted + param_name not in tied:
+                targets[f"{prefix}{dotted}{param_name}"] = param.data
+        for child_name, child in module.named_children():
+            visit(child, dotted + child_name)
+
+    visit(model, "")
+    return targets
+
+
+def load_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    *,
+    prefix: str = "",
+    show_progress: bool = True,
+) -> None:
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    targets = weight_targets(model, prefix)
+    ignored = IGNORED_TENSORS + tuple(getattr(model, "ignored_checkpoint_tensors", lambda: ())())
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in sorted(set(files.values())):
+        with _open(shard) as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    index_only = sorted(n for n, p in files.items() if n not in shapes)
+    missing = sorted(n for n in targets if n not in shapes)
+    unexpected = sorted(n for n in shapes if n not in targets and not any(p.match(n) for p in ignored))
+    misshaped = [
+        f"{n}: checkpoint {list(shapes[n])}, model expects {list(targets[n].shape)}"
+        for n in sorted(targets)
+        if n in shapes and shapes[n] != tuple(targets[n].shape)
+    ]
+    problems = []
+    if index_only:
+        problems.append(f"listed in the index but absent from their shard: {_clip(index_only)}")
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_clip(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_clip(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_clip(misshaped)}")
+    if problems:
+        raise CheckpointError(f"{model_dir}: checkpoint does not match the model config:\n  " + "\n  ".join(problems))
+
+    by_shard: dict[Path, list[str]] = {}
+    for name in targets:
+        by_shard.setdefault(files[name], []).append(name)
+    progress = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not show_progress)
+    with torch.no_grad():
+        for shard, names in sorted(by_shard.items()):
+            with _open(shard) as f:
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
+                        raise CheckpointError(f"{shard.name}: tensor {name} has dtype {tensor.dtype}, expected floating point")
+                    targets[name].copy_(tensor)
+                    progress.update(1)
+    progress.close()
+    _tie(model)
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+
+
+def _tie(model: nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "tied_weights"):
+            for alias, source in module.tied_weights().items():
+                alias_module, _, alias_attr = alias.rpartition(".")
+                source_param = module.get_parameter(source)
+                setattr(module.get_submodule(alias_module), alias_attr, source_param)
+
+
+def _clip(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
