@@ -23,12 +23,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def extend(
-        self, requests: list[Request], num_new_tokens: list[int], capture_layers: tuple[int, ...] = ()
+        self,
+        requests: list[Request],
+        num_new_tokens: list[int],
+        *,
+        capture_layers: tuple[int, ...] = (),
+        all_logits: bool = False,
     ) -> tuple[ForwardBatch, ForwardOutput]:
         """Runs the next ``num_new_tokens[i]`` uncached tokens of each request (prefill chunk or decode).
 
         Grows each request's cache row, writes the latents, and returns logits at each request's
-        last new token.
+        last new token (at every new token with ``all_logits``, for prompt logprobs).
         """
         input_ids: list[int] = []
         out_cache_loc: list[torch.Tensor] = []
@@ -44,6 +49,7 @@ class ModelRunner:
             extend_prefix_lens=prefix_lens,
             extend_seq_lens=list(num_new_tokens),
             out_cache_loc=torch.cat(out_cache_loc),
+            logits_indices=torch.arange(len(input_ids)) if all_logits else None,
             capture_layers=capture_layers,
         )
         batch.input_embeds = self.merged_embeddings(requests, batch)
