@@ -20,6 +20,11 @@ Any per-request operation on the flat buffer must use the request's own segment
 ``[extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i])``: the last token of request i
 is ``extend_start_loc[i] + extend_seq_lens[i] - 1``, never ``x[-1]`` of the buffer.
 
+By default token t attends to the cache entries of its request at row indices
+``<= extend_prefix_lens[i] + (t - extend_start_loc[i])`` (causal). Tree verification and draft tree
+steps pass ``custom_mask`` instead: ``custom_mask[t, j]`` says whether token t sees row index j of
+its request's table; row index and RoPE position differ there (siblings share a position).
+
 A forward returns logits only at ``logits_indices`` (default: each request's last token) and,
 when ``capture_layers`` is set, the residual stream after each of those layers, concatenated
 along the hidden dimension, at every token (EAGLE-3 reads three of them).
@@ -36,6 +41,7 @@ import torch
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill / chunked prefill: new tokens attend in the decompressed form
     DECODE = auto()  # one new token per request: absorbed attention over the latent cache
+    VERIFY = auto()  # speculative tree/chain tokens after a cached prefix: absorbed, custom mask
 
 
 @dataclass
@@ -58,6 +64,8 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None
     # Layer ids whose output residual stream is returned (EAGLE-3 auxiliary hidden states).
     capture_layers: tuple[int, ...] = ()
+    # [T, max(seq_lens)] bool: which row indices of its request each token sees (None: causal).
+    custom_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -66,6 +74,21 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def token_to_request(self) -> torch.Tensor:
+        """[T]: the batch index of the request each flat-buffer token belongs to."""
+        return torch.repeat_interleave(
+            torch.arange(self.batch_size, device=self.input_ids.device), self.extend_seq_lens, output_size=self.num_tokens
+        )
+
+    def attention_mask(self, num_keys: int) -> torch.Tensor:
+        """[T, num_keys] bool over row indices: ``custom_mask`` if set, else causal per request."""
+        if self.custom_mask is not None:
+            return self.custom_mask[:, :num_keys]
+        token_req = self.token_to_request()
+        offsets = torch.arange(self.num_tokens, device=self.input_ids.device) - self.extend_start_loc[token_req]
+        query_index = self.extend_prefix_lens[token_req] + offsets
+        return torch.arange(num_keys, device=self.input_ids.device)[None, :] <= query_index[:, None]
 
     @staticmethod
     def last_token_indices(extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor) -> torch.Tensor:
@@ -85,6 +108,7 @@ class ForwardBatch:
         logits_indices: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
         capture_layers: tuple[int, ...] = (),
+        custom_mask: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
         """Derives every offset from the per-request lengths, so callers cannot get them inconsistent."""
@@ -124,4 +148,5 @@ class ForwardBatch:
             extend_prefix_lens_cpu=list(extend_prefix_lens),
             input_embeds=input_embeds,
             capture_layers=capture_layers,
+            custom_mask=custom_mask,
         )

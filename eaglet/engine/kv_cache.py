@@ -1,9 +1,13 @@
-"""Paged MLA latent cache.
+"""Paged KV cache over one slot space shared by the target and the draft.
 
-Per token per layer the cache stores ``kv_lora_rank + qk_rope_head_dim`` values: the normalized
-compressed latent c_kv followed by the roped shared key k_pe. K and V are never stored
-decompressed. Slots are grouped into fixed-size blocks; a block allocator with reference counts
-hands blocks to requests (a block shared by a prefix cache holds several references).
+A cache slot stands for one logical token position of one request. Every model keeps its own
+buffers (a pool) indexed by the same slots, so the target's and the draft's entries in a slot
+always describe the same position, and freeing a request frees both.
+
+For MLA models, per token per layer the pool stores ``kv_lora_rank + qk_rope_head_dim`` values:
+the normalized compressed latent c_kv followed by the roped shared key k_pe. K and V are never
+stored decompressed. Slots are grouped into fixed-size blocks; a block allocator with reference
+counts hands blocks to requests (a block shared by a prefix cache holds several references).
 
 Block 0 is reserved: its slots are the padding target of unused table entries, never written by a
 real token, so a padded gather can never read another request's data by accident.
@@ -58,8 +62,24 @@ class BlockAllocator:
                 self._free.append(b)
 
 
+class LatentKVPool:
+    """One model's MLA latent buffers [num_layers, num_slots, kv_lora_rank + qk_rope_head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.kv = torch.zeros(num_layers, num_slots, dim, dtype=dtype, device=device)
+
+    def write(self, layer_id: int, out_cache_loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        latent_dim = c_kv.shape[-1]
+        buf = self.kv[layer_id]
+        buf[out_cache_loc, :latent_dim] = c_kv.to(buf.dtype)
+        buf[out_cache_loc, latent_dim:] = k_pe.to(buf.dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.kv[:, dst] = self.kv[:, src]
+
+
 class KVCacheManager:
-    """Owns the latent buffers, the block allocator and the request-to-slots table."""
+    """Owns the block allocator, the request-to-slots table and the pools of every model."""
 
     def __init__(
         self,
@@ -76,7 +96,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_context_len = max_context_len
         self.allocator = BlockAllocator(num_blocks)
-        self.kv = torch.zeros(num_layers, num_blocks * block_size, kv_cache_dim, dtype=dtype, device=device)
+        self.num_slots = num_blocks * block_size
+        self.device = device
+        self.target = LatentKVPool(num_layers, self.num_slots, kv_cache_dim, dtype, device)
+        self.pools: list = [self.target]
         # req_to_token[row, i] = cache slot of the row's i-th token; 0 (reserved) where unused.
         self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.long, device=device)
         self._free_rows: deque[int] = deque(range(max_requests))
@@ -137,8 +160,12 @@ class KVCacheManager:
         self.req_to_token[row, : self.row_len.pop(row)] = 0
         self._free_rows.append(row)
 
-    def write(self, layer_id: int, out_cache_loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        latent_dim = c_kv.shape[-1]
-        buf = self.kv[layer_id]
-        buf[out_cache_loc, :latent_dim] = c_kv.to(buf.dtype)
-        buf[out_cache_loc, latent_dim:] = k_pe.to(buf.dtype)
+    def add_pool(self, pool):  # -> the pool
+        """Registers another model's buffers (an EAGLE-3 draft) over the same slots."""
+        self.pools.append(pool)
+        return pool
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves every pool's entries from slots src to slots dst (an accepted tree path)."""
+        for pool in self.pools:
+            pool.copy_slots(src, dst)

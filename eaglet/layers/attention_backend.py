@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
 
 if TYPE_CHECKING:
     from eaglet.layers.mla import MLAAttention
@@ -37,12 +37,14 @@ class TorchNativeMLABackend:
     EXTEND batches attend in the decompressed form (kv_b_proj applied to each request's cached
     latents; cheap per query when many new tokens share the keys). DECODE batches attend in the
     absorbed form: queries are projected into the latent space, so each cached token is read as
-    kv_lora_rank + qk_rope_head_dim values and never decompressed. ``absorbed_extend`` forces the
+    kv_lora_rank + qk_rope_head_dim values and never decompressed. Batches with a ``custom_mask``
+    (tree verify, draft tree steps) also attend in the absorbed form. ``absorbed_extend`` forces the
     absorbed form for EXTEND too (used to check the two forms against each other).
     """
 
-    def __init__(self, cache: KVCacheManager, absorbed_extend: bool = False) -> None:
+    def __init__(self, cache: KVCacheManager, pool: LatentKVPool | None = None, absorbed_extend: bool = False) -> None:
         self.cache = cache
+        self.pool = pool if pool is not None else cache.target
         self.absorbed_extend = absorbed_extend
 
     def forward(
@@ -54,15 +56,15 @@ class TorchNativeMLABackend:
         k_pe: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        self.cache.write(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
-        if batch.mode == ForwardMode.DECODE or self.absorbed_extend:
+        self.pool.write(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
+        if batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend:
             return self._absorbed(layer, q_nope, q_pe, batch)
         return self._decompressed(layer, q_nope, q_pe, batch)
 
     def _decompressed(
         self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        kv_cache = self.cache.kv[layer.layer_id]
+        kv_cache = self.pool.kv[layer.layer_id]
         rows = batch.req_pool_indices.tolist()
         heads, nope, latent = layer.num_heads, layer.qk_nope_head_dim, layer.kv_lora_rank
         out = q_nope.new_empty(q_nope.shape[0], heads, layer.v_head_dim)
@@ -90,14 +92,9 @@ class TorchNativeMLABackend:
         latent = layer.kv_lora_rank
         max_len = max(batch.seq_lens_cpu)
         slots = self.cache.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]
-        cached = self.cache.kv[layer.layer_id][slots]  # [B, S, L+R]
-        token_req = torch.repeat_interleave(
-            torch.arange(batch.batch_size, device=q_nope.device), batch.extend_seq_lens, output_size=q_nope.shape[0]
-        )
-        # Cache index of each query token: its request's prefix length + its offset in the segment.
-        offsets = torch.arange(q_nope.shape[0], device=q_nope.device) - batch.extend_start_loc[token_req]
-        query_index = batch.extend_prefix_lens[token_req] + offsets
-        mask = torch.arange(max_len, device=q_nope.device)[None, :] <= query_index[:, None]  # [T, S]
+        cached = self.pool.kv[layer.layer_id][slots]  # [B, S, L+R]
+        token_req = batch.token_to_request()
+        mask = batch.attention_mask(max_len)  # [T, S]
 
         q_latent = torch.einsum("thp,hpl->thl", q_nope, layer.w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L+R]
