@@ -19,6 +19,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def spec_metrics(self) -> dict | None:
+        """Aggregate speculation statistics since start (None without speculation): accept length
+        (bonus token included), acceptance rate, per-position acceptance rate, counts."""
+        metrics = self.engine.spec_metrics
+        return metrics.as_dict() if metrics is not None else None
+
     def generate(
         self, requests: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:

@@ -1,22 +1,15 @@
 """Kimi-K2.5 (vision tower + projector + DeepSeek-V3) against transformers 5.24, and batch invariance."""
 
-import numpy as np
 import pytest
 import torch
 from checkpoints import load_reference_kimi_k25, write_kimi_k25_checkpoint
-from PIL import Image
-from runtime_utils import greedy, prompt_logits
+from runtime_utils import greedy, make_image, prompt_logits
 
 from eaglet import LLM
 from eaglet.errors import ImageError, InvalidRequestError
 from eaglet.multimodal.image_processor import ImageProcessorConfig, KimiImageProcessor
 
 IMAGE_TOKEN = 250
-
-
-def make_image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module", params=["published", "transformers"])

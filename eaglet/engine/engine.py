@@ -18,9 +18,13 @@ from eaglet.engine.request import Request, RequestOutput, RequestStatus
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
 from eaglet.layers.attention_backend import TorchNativeMLABackend
 from eaglet.layers.sampler import sample
+from eaglet.models.eagle3 import load_eagle3_draft
 from eaglet.models.registry import load_model, resolve_dtype
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
 from eaglet.sampling_params import SamplingParams
+from eaglet.spec.config import SpeculativeConfig
+from eaglet.spec.eagle_worker import EagleWorker
+from eaglet.spec.metrics import SpecMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,11 @@ class EngineConfig:
     kv_cache_blocks: int | None = None  # default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
     show_progress: bool = True
+    speculative_algorithm: str | None = None  # "EAGLE3"
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
 
 
 class Engine:
@@ -59,7 +68,10 @@ class Engine:
 
             self.image_processor = KimiImageProcessor(ImageProcessorConfig.from_pretrained(model_dir))
 
-        blocks_per_request = -(-self.context_len // config.block_size)
+        self.spec_config = _speculative_config(config)
+        # Row indices a speculative round uses past a request's committed tokens.
+        self.spec_scratch = self.spec_config.scratch_len if self.spec_config else 0
+        blocks_per_request = -(-(self.context_len + self.spec_scratch) // config.block_size)
         if config.kv_cache_blocks is not None:
             num_blocks = config.kv_cache_blocks
         else:
@@ -72,10 +84,19 @@ class Engine:
             num_blocks=num_blocks + 1,
             block_size=config.block_size,
             max_requests=config.max_running_requests,
-            max_context_len=self.context_len,
+            max_context_len=self.context_len + self.spec_scratch,
             dtype=dtype,
         )
         self.runner = ModelRunner(self.model, self.model_config, self.cache, TorchNativeMLABackend(self.cache))
+        self.spec_worker: EagleWorker | None = None
+        self.spec_metrics: SpecMetrics | None = None
+        if self.spec_config is not None:
+            draft, draft_config = load_eagle3_draft(
+                self.spec_config.draft_model_path, self.model_config, dtype, show_progress=config.show_progress
+            )
+            draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
+            self.spec_worker = EagleWorker(self.runner, draft, draft_config, self.spec_config, self.cache)
+            self.spec_metrics = SpecMetrics(self.spec_config.num_steps, self.spec_config.num_draft_tokens - 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -95,9 +116,9 @@ class Engine:
                 f"prompt of {len(token_ids)} tokens + max_new_tokens {params.max_new_tokens} = {needed} "
                 f"exceeds the context length {self.context_len}"
             )
-        if self.cache.blocks_needed(needed) > self.cache.allocator.num_usable:
+        if self.cache.blocks_needed(needed + self.spec_scratch) > self.cache.allocator.num_usable:
             raise InvalidRequestError(
-                f"request needs {self.cache.blocks_needed(needed)} cache blocks; the cache has "
+                f"request needs {self.cache.blocks_needed(needed + self.spec_scratch)} cache blocks; the cache has "
                 f"{self.cache.allocator.num_usable}"
             )
         generator = None
@@ -166,25 +187,50 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward: prefill the newly admitted requests together, else decode all running ones.
+        """One round: prefill the newly admitted requests together, else decode all running ones
+        (one token each, or one speculative round each).
 
         Returns the outputs of the requests that finished in this step.
         """
         admitted = self._admit()
-        batch_requests = admitted if admitted else list(self.running)
-        if not batch_requests:
+        if admitted:
+            return self._prefill(admitted)
+        if not self.running:
             return []
-        num_new = [r.num_tokens - r.num_cached_tokens for r in batch_requests]
-        _, output = self.runner.extend(batch_requests, num_new)
-        next_tokens = sample(
-            output.logits, [r.sampling_params for r in batch_requests], [r.generator for r in batch_requests]
-        ).tolist()
+        requests = list(self.running)
+        if self.spec_worker is not None:
+            result = self.spec_worker.decode(requests)
+            self.spec_metrics.record(result.num_accepted)
+            for req, a in zip(requests, result.num_accepted):
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += a
+                req.spec_accept_lengths.append(a + 1)
+            return self._append(requests, result.new_tokens)
+        _, output = self.runner.extend(requests, [1] * len(requests))
+        return self._append(requests, [[t] for t in self._sample(requests, output.logits).tolist()])
+
+    def _prefill(self, requests: list[Request]) -> list[RequestOutput]:
+        num_new = [r.num_tokens - r.num_cached_tokens for r in requests]
+        if self.spec_worker is not None:
+            tokens = self.spec_worker.prefill(requests, num_new, lambda logits: self._sample(requests, logits))
+        else:
+            _, output = self.runner.extend(requests, num_new)
+            tokens = self._sample(requests, output.logits)
+        return self._append(requests, [[t] for t in tokens.tolist()])
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        return sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+
+    def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> list[RequestOutput]:
+        """Appends each request's new tokens in order, stopping at the first finishing token."""
         finished: list[RequestOutput] = []
-        for req, token in zip(batch_requests, next_tokens):
-            req.output_token_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                finished.append(self._finish(req, reason))
+        for req, tokens in zip(requests, new_tokens):
+            for token in tokens:
+                req.output_token_ids.append(token)
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    finished.append(self._finish(req, reason))
+                    break
         return finished
 
     def _admit(self) -> list[Request]:
@@ -195,7 +241,9 @@ class Engine:
         )
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            need = self.cache.blocks_needed(len(req.prompt_token_ids) + req.sampling_params.max_new_tokens)
+            need = self.cache.blocks_needed(
+                len(req.prompt_token_ids) + req.sampling_params.max_new_tokens + self.spec_scratch
+            )
             if need > free_blocks:
                 break
             self.waiting.popleft()
@@ -242,7 +290,37 @@ class Engine:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text, req.finish_reason)
+        return RequestOutput(
+            req.request_id,
+            req.prompt_token_ids,
+            list(req.output_token_ids),
+            text,
+            req.finish_reason,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens,
+            spec_accept_lengths=list(req.spec_accept_lengths),
+        )
+
+
+def _speculative_config(config: EngineConfig) -> SpeculativeConfig | None:
+    if config.speculative_algorithm is None:
+        if config.speculative_draft_model_path is not None:
+            raise ConfigError("speculative_draft_model_path is set but speculative_algorithm is not (use 'EAGLE3')")
+        return None
+    if config.speculative_draft_model_path is None:
+        raise ConfigError("speculative_algorithm EAGLE3 needs speculative_draft_model_path")
+    return SpeculativeConfig(
+        draft_model_path=config.speculative_draft_model_path,
+        algorithm=config.speculative_algorithm,
+        num_steps=config.speculative_num_steps,
+        eagle_topk=config.speculative_eagle_topk,
+        num_draft_tokens=config.speculative_num_draft_tokens,
+    )
+
+
+def _lm_head(model: torch.nn.Module) -> torch.nn.Linear:
+    language_model = getattr(model, "language_model", model)
+    return language_model.lm_head
 
 
 def _load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -29,6 +30,10 @@ class Request:
     num_cached_tokens: int = 0  # tokens whose latents are in the KV cache
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    draft_state: Any = None  # eaglet.spec.eagle_worker.DraftState after a draft extend
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accept_lengths: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +53,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_new_tokens)
+    spec_verify_ct: int = 0  # speculative verify steps
+    spec_accepted_tokens: int = 0  # accepted draft tokens (bonus tokens excluded)
+    spec_accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + bonus
 
     @property
     def finished(self) -> bool:

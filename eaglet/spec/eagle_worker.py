@@ -1,0 +1,319 @@
+"""EAGLE-3 speculative decoding over ragged batches: draft extend, tree drafting, verify, commit.
+
+One round for running requests, each with n cached tokens and a root token (its last output
+token, not yet cached):
+
+1. draft: step 0's top-k comes from the last draft extend; each later step runs the draft on the
+   current frontier (B * topk tokens) at scratch row indices n + (step-1)*topk + f, position
+   n - 1 + step, seeing the committed prefix and its own ancestors (custom mask);
+2. the best ``num_draft_tokens - 1`` candidates form the tree (``tree.py``); the target verifies
+   root + tree in one forward at row indices n .. n+N-1 with a tree mask, capturing its features;
+3. ``verify.py`` picks the accepted path and the bonus token; the target's cache entries of the
+   accepted nodes move to row indices n+1 .. n+a, the row is cut to n+1+a;
+4. the draft extend runs over root + accepted path (ids rotated: the accepted tokens then the
+   bonus), rewriting the draft's entries at n .. n+a, and yields the next round's step-0 top-k.
+
+Target and draft share the slot space, so a row index holds both models' entries for the same
+position. All tensor work is batched over requests; Python loops over requests only touch cache
+bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.engine.model_runner import ModelRunner
+from eaglet.engine.request import Request
+from eaglet.layers.sampler import shaped_probs
+from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
+from eaglet.spec.config import SpeculativeConfig
+from eaglet.spec.draft_inputs import draft_extend_inputs
+from eaglet.spec.metrics import PhaseTimer
+from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
+from eaglet.spec.verify import VerifyResult, verify_greedy, verify_sampling
+
+
+@dataclass
+class DraftState:
+    """What the draft extend leaves for a request's next round (one row per request when batched)."""
+
+    topk_tokens: torch.Tensor  # [k] target token ids proposed for the position after the root
+    topk_logprobs: torch.Tensor  # [k]
+    hidden: torch.Tensor  # [H] draft hidden at the root's draft slot, fed back at step 1
+
+
+@dataclass
+class RoundResult:
+    new_tokens: list[list[int]]  # per request: accepted draft tokens + the bonus token
+    num_accepted: list[int]
+
+
+class EagleWorker:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        draft: Eagle3Draft,
+        draft_config: Eagle3Config,
+        spec: SpeculativeConfig,
+        cache: KVCacheManager,
+    ) -> None:
+        self.runner = runner
+        self.draft = draft
+        self.draft_config = draft_config
+        self.spec = spec
+        self.cache = cache
+        dtype = next(draft.parameters()).dtype
+        self.pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, dtype, cache.device))
+        self.draft_backend = draft.make_backend(cache, self.pool)
+        self.capture_layers = tuple(draft_config.aux_layer_ids)
+        self.timer = PhaseTimer()
+
+    @contextmanager
+    def _phase(self, name: str):
+        """Times a model forward; decode() books the rest of the round as bookkeeping."""
+        start = time.perf_counter()
+        yield
+        self.timer.add(name, time.perf_counter() - start)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, requests: list[Request], num_new: list[int], sample: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Target extend (prefill chunks) with feature capture, then the draft extend over the same batch.
+
+        ``sample`` turns the target logits [B, V] into next tokens [B]; they are the tails of
+        requests whose prompt is now complete. Returns the sampled tokens.
+        """
+        final = [r.num_cached_tokens + n == r.num_tokens for r, n in zip(requests, num_new)]
+        batch, output = self.runner.extend(requests, num_new, capture_layers=self.capture_layers)
+        sampled = sample(output.logits)
+        next_prompt = [
+            r.token_ids(r.num_cached_tokens, r.num_cached_tokens + 1)[0] if not f else 0 for r, f in zip(requests, final)
+        ]
+        tails = torch.where(torch.tensor(final), sampled, torch.tensor(next_prompt))
+        tail_embeds = self._tail_embeddings(requests, tails, final) if batch.input_embeds is not None else None
+        ids, embeds = draft_extend_inputs(batch, tails, tail_embeds)
+        self._draft_extend(batch, ids, embeds, output.aux_hidden_states, requests)
+        return sampled
+
+    def _tail_embeddings(self, requests: list[Request], tails: torch.Tensor, final: list[bool]) -> torch.Tensor:
+        """Plain token embeddings of the tails, except a non-final chunk whose next prompt token is an
+        image placeholder: that tail is the image feature (placeholder ids never reach embed_tokens)."""
+        image_token = self.runner.config.image_token_id
+        is_placeholder = tails == image_token if image_token is not None else torch.zeros_like(tails, dtype=torch.bool)
+        embeds = self.runner.model.embed_tokens(tails.masked_fill(is_placeholder, 0))
+        for i in torch.nonzero(is_placeholder & ~torch.tensor(final)).flatten().tolist():
+            mm = requests[i].mm_inputs
+            position = requests[i].num_cached_tokens
+            _, rows = mm.feature_rows(position, position + 1)
+            embeds[i] = mm.features[rows[0]]
+        return embeds
+
+    def _draft_extend(
+        self,
+        target_batch: ForwardBatch,
+        ids: torch.Tensor,
+        embeds: torch.Tensor | None,
+        features: torch.Tensor,
+        requests: list[Request],
+    ) -> None:
+        batch = ForwardBatch.build(
+            input_ids=ids,
+            req_pool_indices=target_batch.req_pool_indices.tolist(),
+            extend_prefix_lens=target_batch.extend_prefix_lens_cpu,
+            extend_seq_lens=target_batch.extend_seq_lens_cpu,
+            out_cache_loc=target_batch.out_cache_loc,
+            positions=target_batch.positions,
+            mode=ForwardMode.EXTEND,
+            input_embeds=embeds,
+        )
+        out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
+        top = out.logits.log_softmax(dim=-1).topk(self.spec.eagle_topk, dim=-1)
+        tokens = self.draft.to_target_ids(top.indices)
+        for i, req in enumerate(requests):
+            req.draft_state = DraftState(tokens[i], top.values[i], out.hidden_out[i])
+
+    # ---- decode round --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, requests: list[Request]) -> RoundResult:
+        spec = self.spec
+        start = time.perf_counter()
+        model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify"))
+        rows = torch.tensor([r.req_pool_idx for r in requests])
+        prefix = torch.tensor([r.num_cached_tokens for r in requests])
+        for req in requests:
+            self.cache.grow(req.req_pool_idx, req.num_cached_tokens + spec.scratch_len)
+        roots = torch.tensor([r.output_token_ids[-1] for r in requests])
+        tree = self._draft_tree(requests, rows, prefix, roots)
+        result, features = self._verify(requests, rows, prefix, tree)
+        round_result = self._commit(requests, rows, prefix, tree, result, features)
+        model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
+        self.timer.add("bookkeeping", time.perf_counter() - start - model_seconds)
+        self.timer.rounds += 1
+        return round_result
+
+    def _draft_tree(
+        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, roots: torch.Tensor
+    ) -> DraftTree:
+        k, steps = self.spec.eagle_topk, self.spec.num_steps
+        batch_size = len(requests)
+        recorder = CandidateRecorder()
+        frontier_tokens = torch.stack([r.draft_state.topk_tokens for r in requests])  # [B, k]
+        frontier_scores = torch.stack([r.draft_state.topk_logprobs for r in requests]).float()
+        hidden = torch.stack([r.draft_state.hidden for r in requests])
+        frontier_hidden = hidden[:, None, :].expand(-1, k, -1)
+        frontier_ids = recorder.add(frontier_tokens, frontier_scores, torch.full((batch_size, k), -1), depth=1)
+        frontier_ids = frontier_ids.expand(batch_size, k)
+        scratch = (steps - 1) * k
+        # ancestry[b, f, s]: scratch slot s holds an ancestor-or-self of frontier node f.
+        ancestry = torch.zeros(batch_size, k, scratch, dtype=torch.bool)
+        for step in range(1, steps):
+            own = (step - 1) * k + torch.arange(k)
+            ancestry[:, torch.arange(k), own] = True
+            num_keys = int(prefix.max()) + step * k
+            step_batch = self._draft_step_batch(rows, prefix, frontier_tokens, ancestry, step, num_keys)
+            with self._phase("draft"):
+                out = self.draft(
+                    step_batch, self.draft_backend, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
+                )
+            top = out.logits.log_softmax(dim=-1).topk(k, dim=-1)
+            child_tokens = self.draft.to_target_ids(top.indices).view(batch_size, k * k)
+            child_scores = (frontier_scores[:, :, None] + top.values.view(batch_size, k, k)).view(batch_size, k * k)
+            child_parents = frontier_ids[:, :, None].expand(-1, -1, k).reshape(batch_size, k * k)
+            child_ids = recorder.add(child_tokens, child_scores, child_parents, depth=step + 1)
+            if step == steps - 1:
+                break
+            best = child_scores.topk(k, dim=-1).indices  # [B, k]
+            parent_rank = best // k
+            frontier_tokens = child_tokens.gather(1, best)
+            frontier_scores = child_scores.gather(1, best)
+            frontier_ids = child_ids[best]
+            frontier_hidden = out.hidden_out.view(batch_size, k, -1).gather(
+                1, parent_rank[:, :, None].expand(-1, -1, out.hidden_out.shape[-1])
+            )
+            ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
+        return recorder.build_tree(roots, self.spec.num_draft_tokens)
+
+    def _draft_step_batch(
+        self,
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        frontier_tokens: torch.Tensor,
+        ancestry: torch.Tensor,
+        step: int,
+        num_keys: int,
+    ) -> ForwardBatch:
+        batch_size, k = frontier_tokens.shape
+        first_index = prefix + (step - 1) * k  # row index of this step's first frontier slot
+        slots = self.cache.req_to_token[rows[:, None], first_index[:, None] + torch.arange(k)]
+        scratch = ancestry.shape[-1]
+        width = int(prefix.max()) + scratch
+        mask = (torch.arange(width)[None, None, :] < prefix[:, None, None]).expand(batch_size, k, width).clone()
+        columns = (prefix[:, None] + torch.arange(scratch))[:, None, :].expand(batch_size, k, scratch)
+        mask.scatter_(2, columns, ancestry)
+        mask = mask[:, :, :num_keys]
+        return ForwardBatch.build(
+            input_ids=frontier_tokens.reshape(-1),
+            req_pool_indices=rows.tolist(),
+            extend_prefix_lens=first_index.tolist(),
+            extend_seq_lens=[k] * batch_size,
+            out_cache_loc=slots.reshape(-1),
+            positions=(prefix + step - 1).repeat_interleave(k),
+            mode=ForwardMode.VERIFY,
+            logits_indices=torch.arange(batch_size * k),
+            custom_mask=mask.reshape(batch_size * k, num_keys),
+        )
+
+    def _verify(
+        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, tree: DraftTree
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        batch_size, n = tree.tokens.shape
+        num_keys = int(prefix.max()) + n
+        slots = self.cache.req_to_token[rows[:, None], prefix[:, None] + torch.arange(n)]
+        batch = ForwardBatch.build(
+            input_ids=tree.tokens.reshape(-1),
+            req_pool_indices=rows.tolist(),
+            extend_prefix_lens=prefix.tolist(),
+            extend_seq_lens=[n] * batch_size,
+            out_cache_loc=slots.reshape(-1),
+            positions=(prefix[:, None] + tree.depths).reshape(-1),
+            mode=ForwardMode.VERIFY,
+            logits_indices=torch.arange(batch_size * n),
+            capture_layers=self.capture_layers,
+            custom_mask=tree_attention_mask(tree, prefix, num_keys),
+        )
+        with self._phase("verify"):
+            output = self.runner.model(batch, self.runner.backend)
+        logits = output.logits.view(batch_size, n, -1)
+        params = [r.sampling_params for r in requests]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        result = verify_greedy(tree.tokens, tree.parents, logits)
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows)
+            probs = shaped_probs(
+                logits[idx].reshape(len(sampled_rows) * n, -1), [params[i] for i in sampled_rows for _ in range(n)]
+            ).view(len(sampled_rows), n, -1)
+            sampled = verify_sampling(
+                tree.tokens[idx], tree.parents[idx], probs, [requests[i].generator for i in sampled_rows]
+            )
+            result.accepted_nodes[idx] = sampled.accepted_nodes
+            result.num_accepted[idx] = sampled.num_accepted
+            result.bonus_tokens[idx] = sampled.bonus_tokens
+        return result, output.aux_hidden_states
+
+    def _commit(
+        self,
+        requests: list[Request],
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        tree: DraftTree,
+        result: VerifyResult,
+        features: torch.Tensor,
+    ) -> RoundResult:
+        batch_size, n = tree.tokens.shape
+        accepted = result.num_accepted
+        depth = result.accepted_nodes.shape[1]
+        # Path through the tree including the root, and which of its entries are real.
+        path = torch.cat([torch.zeros(batch_size, 1, dtype=torch.long), result.accepted_nodes], dim=1)  # [B, D+1]
+        valid = torch.arange(depth + 1)[None, :] <= accepted[:, None]
+        # Move the target's entries of accepted nodes to row indices n+1 .. n+a (a no-op for a chain).
+        src = self.cache.req_to_token[rows[:, None], prefix[:, None] + path.clamp(min=0)][valid]
+        dst = self.cache.req_to_token[rows[:, None], prefix[:, None] + torch.arange(depth + 1)][valid]
+        moved = src != dst
+        if moved.any():
+            self.cache.target.copy_slots(src[moved], dst[moved])
+        accepted_list = accepted.tolist()
+        for req, a in zip(requests, accepted_list):
+            self.cache.truncate(req.req_pool_idx, req.num_cached_tokens + 1 + a)
+            req.num_cached_tokens += 1 + a
+
+        # Draft extend over root + accepted path: ids are the accepted tokens then the bonus.
+        path_tokens = tree.tokens.gather(1, path.clamp(min=0))  # [B, D+1], root first
+        next_ids = torch.cat([path_tokens[:, 1:], torch.zeros(batch_size, 1, dtype=torch.long)], dim=1)
+        next_ids.scatter_(1, accepted[:, None], result.bonus_tokens[:, None])
+        feature_rows = (torch.arange(batch_size)[:, None] * n + path.clamp(min=0))[valid]
+        batch = ForwardBatch.build(
+            input_ids=next_ids[valid],
+            req_pool_indices=rows.tolist(),
+            extend_prefix_lens=prefix.tolist(),
+            extend_seq_lens=[a + 1 for a in accepted_list],
+            out_cache_loc=dst,
+            positions=(prefix[:, None] + torch.arange(depth + 1))[valid],
+            mode=ForwardMode.EXTEND,
+        )
+        with self._phase("draft"):
+            out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
+        top = out.logits.log_softmax(dim=-1).topk(self.spec.eagle_topk, dim=-1)
+        tokens = self.draft.to_target_ids(top.indices)
+        new_tokens = next_ids.tolist()
+        for i, req in enumerate(requests):
+            req.draft_state = DraftState(tokens[i], top.values[i], out.hidden_out[i])
+        return RoundResult([toks[: a + 1] for toks, a in zip(new_tokens, accepted_list)], accepted_list)

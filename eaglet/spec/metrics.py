@@ -1,0 +1,72 @@
+"""Speculative decoding statistics, with the common definitions.
+
+Accept length counts the bonus token: (accepted drafts + 1) per verify step. Acceptance rate
+excludes it: accepted drafts / proposed drafts. Position k is accepted in a verify step when the
+accepted path reaches depth k + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_steps: int  # draft depth, the number of positions tracked
+    drafts_per_verify: int  # proposed draft tokens per verify step (num_draft_tokens - 1)
+    num_verify_steps: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_steps
+
+    def record(self, num_accepted: list[int]) -> None:
+        self.num_verify_steps += len(num_accepted)
+        self.num_accepted_tokens += sum(num_accepted)
+        for a in num_accepted:
+            for position in range(min(a, self.num_steps)):
+                self.accepted_per_position[position] += 1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.num_verify_steps * self.drafts_per_verify
+
+    @property
+    def accept_length(self) -> float:
+        return (self.num_accepted_tokens + self.num_verify_steps) / max(1, self.num_verify_steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        return [count / max(1, self.num_verify_steps) for count in self.accepted_per_position]
+
+    def as_dict(self) -> dict:
+        return {
+            "num_verify_steps": self.num_verify_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accept_length": self.accept_length,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance_rate": self.per_position_acceptance_rate,
+        }
+
+
+class PhaseTimer:
+    """Wall time per phase of a speculative round (draft forwards, target verify, the rest)."""
+
+    PHASES = ("draft", "verify", "bookkeeping")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.rounds = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.seconds.values()) or 1.0
+        return {phase: s / total for phase, s in self.seconds.items()}

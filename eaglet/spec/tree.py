@@ -1,0 +1,99 @@
+"""Draft trees: recording candidates while drafting, choosing the nodes to verify, tree masks.
+
+EAGLE-2 dynamic trees with SGLang's parameters. Every candidate carries its cumulative draft
+log-probability; the tree keeps the best ``num_draft_tokens - 1`` candidates. A child's score never
+exceeds its parent's (log-probabilities are <= 0) and ties go to the earlier candidate, so a kept
+child's parent is always kept too. Nodes are ordered by creation, which puts parents before
+children and, among siblings, the drafter's preferred one first. All of it is batched over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N] target token ids; node 0 is the root (last committed token)
+    parents: torch.Tensor  # [B, N] parent node index, -1 for the root
+    depths: torch.Tensor  # [B, N] 0 for the root
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[B, N, N] bool: mask[b, i, j] is True when node j is node i or one of its ancestors."""
+        batch, n = self.tokens.shape
+        mask = torch.eye(n, dtype=torch.bool).expand(batch, n, n).clone()
+        node = torch.arange(n).expand(batch, n)
+        for _ in range(int(self.depths.max())):
+            node = torch.where(node >= 0, self.parents.gather(1, node.clamp(min=0)), node)  # one level up
+            mask |= F.one_hot(node.clamp(min=0), n).bool() & (node >= 0)[:, :, None]
+        return mask
+
+
+class CandidateRecorder:
+    """Collects every candidate proposed during drafting, for all requests at once."""
+
+    def __init__(self) -> None:
+        self._tokens: list[torch.Tensor] = []
+        self._scores: list[torch.Tensor] = []
+        self._parents: list[torch.Tensor] = []
+        self._depths: list[int] = []
+        self.count = 0
+
+    def add(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+        """Records [B, m] candidates (parents: candidate ids, -1 = root); returns their candidate ids [m]."""
+        m = tokens.shape[1]
+        self._tokens.append(tokens)
+        self._scores.append(scores)
+        self._parents.append(parents)
+        self._depths.append(depth)
+        ids = torch.arange(self.count, self.count + m)
+        self.count += m
+        return ids
+
+    def build_tree(self, root_tokens: torch.Tensor, num_nodes: int) -> DraftTree:
+        tokens = torch.cat(self._tokens, dim=1)  # [B, M]
+        scores = torch.cat(self._scores, dim=1).double()
+        parents = torch.cat(self._parents, dim=1)
+        depths = torch.cat(
+            [torch.full((tokens.shape[0], t.shape[1]), d, dtype=torch.long) for t, d in zip(self._tokens, self._depths)],
+            dim=1,
+        )
+        batch, num_candidates = tokens.shape
+        # Ties go to the earlier candidate (a parent is always earlier than its children).
+        order_penalty = torch.arange(num_candidates, dtype=torch.float64) * 1e-12
+        keep = (scores - order_penalty).topk(num_nodes - 1, dim=1).indices.sort(dim=1).values  # [B, N-1]
+        # Candidate id -> node index (1-based; the root is node 0).
+        node_of = torch.full((batch, num_candidates), -1, dtype=torch.long)
+        node_of.scatter_(1, keep, torch.arange(1, num_nodes).expand(batch, -1))
+        kept_parents = parents.gather(1, keep)
+        parent_nodes = torch.where(
+            kept_parents < 0, torch.zeros_like(kept_parents), node_of.gather(1, kept_parents.clamp(min=0))
+        )
+        if (parent_nodes < 0).any():
+            raise RuntimeError("draft tree selection kept a node without its parent")
+        root_col = torch.zeros(batch, 1, dtype=torch.long)
+        return DraftTree(
+            tokens=torch.cat([root_tokens[:, None], tokens.gather(1, keep)], dim=1),
+            parents=torch.cat([root_col - 1, parent_nodes], dim=1),
+            depths=torch.cat([root_col, depths.gather(1, keep)], dim=1),
+        )
+
+
+def tree_attention_mask(tree: DraftTree, prefix_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B*N, num_keys] bool for verifying the tree placed at row indices prefix_len .. prefix_len+N-1.
+
+    Each node sees its request's whole committed prefix, its ancestors and itself.
+    """
+    batch, n = tree.tokens.shape
+    keys = torch.arange(num_keys)
+    mask = (keys[None, None, :] < prefix_lens[:, None, None]).expand(batch, n, num_keys).clone()
+    columns = (prefix_lens[:, None] + torch.arange(n)[None, :])[:, None, :].expand(batch, n, n)
+    mask.scatter_(2, columns, tree.ancestor_mask())
+    return mask.reshape(batch * n, num_keys)

@@ -1,0 +1,247 @@
+"""Verification of EAGLE draft trees against the target model, vectorised over a batch of requests.
+
+Tree representation, for B requests of N nodes each:
+
+    tokens  [B, N] int64  token id of each node; node 0 is the root (the last committed token)
+    parents [B, N] int64  parent node index, -1 for the root
+
+Nodes are ordered parents before children, and siblings are tried in increasing node index (the
+drafter's preference). A node j > 0 whose parent is -1 is padding: it is not part of the tree, so a
+batch may mix trees of different sizes by padding them to the same N.
+
+The target's output at node n is its distribution over the token that FOLLOWS node n:
+logits [B, N, V] (greedy) or probs [B, N, V] (sampling, already shaped by the sampler:
+temperature, top-k, top-p, ... are applied before verification and taken as given here).
+
+Greedy: accept the longest root-to-leaf path whose every token equals the target argmax at its
+parent; the bonus token is the argmax at the last accepted node (the root when none is accepted).
+This emits exactly the tokens non-speculative greedy decoding would (ties: first index, as
+``logits.argmax(-1)`` in eaglet's sampler).
+
+Sampling (lossless tree speculative sampling, drafts treated as one-hot proposals): starting at the
+root with r = p_root, try the children in sibling order; accept child x with probability
+r(x) / sum(r); on rejection set r(x) = 0 and try the next sibling; on acceptance move to the child
+with r = p_child. When a node has no child left to try, the bonus token is sampled from r
+(normalised). Every emitted token is then distributed exactly as if sampled from the target.
+
+Randomness: request b draws ``n_b`` uniforms (n_b = its number of non-padding nodes) from its own
+generator, in one call, before anything else: one uniform per draft node for its acceptance test and
+one for the bonus token. The draws therefore depend only on the request's own tree and generator,
+never on the other requests in the batch or on its position in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_sampling"]
+
+
+@dataclass
+class VerifyResult:
+    accepted_nodes: torch.Tensor  # [B, D] node indices of the accepted path below the root, -1 padded
+    num_accepted: torch.Tensor  # [B] number of accepted draft nodes (0..D)
+    bonus_tokens: torch.Tensor  # [B] the token that follows the accepted path
+
+    def emitted_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, D + 1]: the accepted path's tokens followed by the bonus token, padded with -1.
+
+        Row b holds ``num_accepted[b] + 1`` valid tokens (the accept length including the bonus).
+        """
+        batch, depth = self.accepted_nodes.shape
+        out = torch.full((batch, depth + 1), -1, dtype=torch.long, device=tokens.device)
+        if depth:
+            path_tokens = tokens.gather(1, self.accepted_nodes.clamp(min=0))
+            out[:, :depth] = torch.where(self.accepted_nodes >= 0, path_tokens, -1)
+        out.scatter_(1, self.num_accepted[:, None], self.bonus_tokens[:, None])
+        return out
+
+
+@dataclass
+class TreeIndex:
+    valid: torch.Tensor  # [B, N] bool: node is part of the tree (root included)
+    depth: torch.Tensor  # [B, N] depth of each node (root 0; padding 0)
+    children: torch.Tensor  # [B, N, K] k-th child (sibling order) of each node, -1 if none
+    max_depth: int  # D: the largest depth over the batch
+
+
+def build_tree_index(parents: torch.Tensor) -> TreeIndex:
+    """Validates ``parents`` and derives node depths and the per-node child table."""
+    if parents.dim() != 2 or parents.shape[1] < 1:
+        raise ValueError(f"parents must be [B, N] with N >= 1, got {tuple(parents.shape)}")
+    parents = parents.long()
+    batch, n = parents.shape
+    device = parents.device
+    if (parents[:, 0] != -1).any():
+        raise ValueError("node 0 must be the root (parent -1)")
+    index = torch.arange(n, device=device)
+    if (parents >= index).any() or (parents < -1).any():
+        raise ValueError("every node's parent must be -1 or an earlier node")
+    valid = parents >= 0
+    valid[:, 0] = True
+    # A node whose parent is padding would be unreachable: reject it rather than guess.
+    parent_valid = valid.gather(1, parents.clamp(min=0))
+    if (valid & ~parent_valid).any():
+        raise ValueError("a node's parent is a padding node")
+
+    parent_idx = parents.clamp(min=0)
+    depth = torch.zeros(batch, n, dtype=torch.long, device=device)
+    for _ in range(n):  # converges after max-depth + 1 rounds (parents precede children)
+        new_depth = torch.where(valid & (index > 0), depth.gather(1, parent_idx) + 1, 0)
+        if torch.equal(new_depth, depth):
+            break
+        depth = new_depth
+    max_depth = int(depth.max().item()) if depth.numel() else 0
+
+    # Sibling rank: number of earlier nodes with the same parent.
+    non_root = valid & (index > 0)
+    same_parent = (parents[:, :, None] == parents[:, None, :]) & non_root[:, :, None] & non_root[:, None, :]
+    earlier = index[:, None] < index[None, :]  # [i, j]: i before j
+    rank = (same_parent & earlier).sum(1)  # [B, N]
+    k = int(rank[non_root].max().item()) + 1 if non_root.any() else 1
+    children = torch.full((batch, n * k + 1), -1, dtype=torch.long, device=device)
+    slot = torch.where(non_root, parent_idx * k + rank, n * k)  # padding/root go to a dump slot
+    children.scatter_(1, slot, index.expand(batch, n).clone())
+    children = children[:, : n * k].reshape(batch, n, k)
+    return TreeIndex(valid=valid, depth=depth, children=children, max_depth=max_depth)
+
+
+def _check_inputs(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, name: str) -> None:
+    if tokens.shape != parents.shape or tokens.dim() != 2:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must both be [B, N]")
+    if scores.dim() != 3 or scores.shape[:2] != tokens.shape:
+        raise ValueError(f"{name} must be [B, N, V] matching tokens {tuple(tokens.shape)}, got {tuple(scores.shape)}")
+
+
+def _path_to(node: torch.Tensor, num: torch.Tensor, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, D] node indices from depth 1 down to ``node`` (at depth ``num``), padded with -1."""
+    batch = node.shape[0]
+    out = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=node.device)  # +1: dump column
+    cur = node.clone()
+    for step in range(max_depth):  # the step-th ancestor of ``node`` sits at position num - 1 - step
+        pos = num - 1 - step
+        live = pos >= 0
+        out.scatter_(1, torch.where(live, pos, max_depth)[:, None], cur[:, None])
+        cur = parents.gather(1, cur[:, None])[:, 0].clamp(min=0)
+    return out[:, :max_depth]
+
+
+def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
+    """Accepts the longest path whose tokens equal the target argmax at their parents."""
+    _check_inputs(tokens, parents, logits, "logits")
+    tokens, parents = tokens.long(), parents.long()
+    tree = build_tree_index(parents)
+    batch, n = tokens.shape
+    index = torch.arange(n, device=tokens.device)
+    target = logits.argmax(dim=-1)  # [B, N] the target's next token after each node
+    parent_idx = parents.clamp(min=0)
+    match = tree.valid & (index > 0) & (tokens == target.gather(1, parent_idx))
+    # on_path: every node from the root down to this one matches.
+    on_path = torch.zeros_like(match)
+    on_path[:, 0] = True
+    for _ in range(tree.max_depth):
+        on_path = (match & on_path.gather(1, parent_idx)) | (index == 0)
+    # Deepest node on a matching path; among equally deep ones (only possible with duplicate
+    # sibling tokens, whose paths then carry identical tokens) the lowest index.
+    score = torch.where(on_path, tree.depth * (n + 1) + (n - index), -1)
+    last = score.argmax(dim=1)
+    num = tree.depth.gather(1, last[:, None])[:, 0]
+    accepted = _path_to(last, num, parents, tree.max_depth)
+    bonus = target.gather(1, last[:, None])[:, 0]
+    return VerifyResult(accepted_nodes=accepted, num_accepted=num, bonus_tokens=bonus)
+
+
+def _draw_uniforms(valid: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[B, N] float64 uniforms in [0, 1): request b draws exactly its number of tree nodes from its
+    own generator (None: the global RNG), assigned to its nodes in index order; the root's slot is
+    the bonus token's uniform."""
+    batch, n = valid.shape
+    if len(generators) != batch:
+        raise ValueError(f"need one generator per request: {len(generators)} for {batch} requests")
+    counts = valid.sum(1).tolist()
+    draws = torch.zeros(batch, n, dtype=torch.float64)
+    for b, gen in enumerate(generators):  # the only per-request loop: each request's own RNG
+        if gen is None:
+            u = torch.rand(counts[b], dtype=torch.float64)
+        else:
+            u = torch.rand(counts[b], dtype=torch.float64, generator=gen, device=gen.device)
+        draws[b, : counts[b]] = u.cpu()
+    draws = draws.to(device)
+    rank = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return draws.gather(1, rank)
+
+
+def _sample_from(weights: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of one token per row from unnormalised float64 ``weights`` [B, V] with
+    uniforms ``u`` [B]. Rows of zero mass fall back to ``fallback`` (the node's unmodified target
+    distribution), and to its argmax if that has no mass either."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1]
+    empty = ~(total > 0)  # also catches NaN
+    if empty.any():
+        weights = torch.where(empty[:, None], fallback.double(), weights)
+        cdf = weights.cumsum(-1)
+        total = cdf[:, -1]
+    # first index whose cdf exceeds u * total: it has positive weight, since u * total < total.
+    token = torch.searchsorted(cdf, (u * total)[:, None].contiguous(), right=True)[:, 0]
+    token = token.clamp(max=weights.shape[-1] - 1)
+    still_empty = ~(total > 0)
+    if still_empty.any():
+        token = torch.where(still_empty, fallback.argmax(-1), token)
+    return token
+
+
+def verify_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> VerifyResult:
+    """Lossless tree speculative sampling with one-hot draft proposals (see the module docstring)."""
+    _check_inputs(tokens, parents, probs, "probs")
+    tokens, parents = tokens.long(), parents.long()
+    tree = build_tree_index(parents)
+    batch, n, vocab = probs.shape
+    device = probs.device
+    rows = torch.arange(batch, device=device)
+    uniforms = _draw_uniforms(tree.valid, generators, device)  # [B, N] float64
+
+    cur = torch.zeros(batch, dtype=torch.long, device=device)  # current node
+    residual = probs[:, 0].double().clone()  # r: the current node's distribution, rejected tokens zeroed
+    num = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)  # still walking down the tree
+    num_ranks = tree.children.shape[2]
+    for _depth in range(tree.max_depth):
+        kids = tree.children[rows, cur]  # [B, K]
+        moved = torch.zeros(batch, dtype=torch.bool, device=device)
+        nxt = cur.clone()
+        for k in range(num_ranks):
+            child = kids[:, k]
+            trying = active & ~moved & (child >= 0)
+            if not trying.any():
+                continue
+            child_c = child.clamp(min=0)
+            x = tokens.gather(1, child_c[:, None])  # [B, 1]
+            rx = residual.gather(1, x)[:, 0]
+            mass = residual.sum(-1)
+            u = uniforms.gather(1, child_c[:, None])[:, 0]
+            # accept with probability r(x) / sum(r). If x is the only token left, rx == mass and
+            # u < 1 accepts for sure, so a rejection always leaves positive mass behind; r(x) == 0
+            # (a zero-probability or duplicate, already rejected token) is always rejected.
+            accept = trying & (u * mass < rx)
+            reject = trying & ~accept
+            residual.scatter_(1, x, torch.where(reject, 0.0, rx)[:, None])
+            moved |= accept
+            nxt = torch.where(accept, child, nxt)
+        if not moved.any():
+            break
+        cur = nxt
+        num = num + moved.long()
+        residual = torch.where(moved[:, None], probs[rows, cur].double(), residual)
+        active = moved
+    bonus_u = uniforms[:, 0]
+    bonus = _sample_from(residual, probs[rows, cur], bonus_u)
+    accepted = _path_to(cur, num, parents, tree.max_depth)
+    return VerifyResult(accepted_nodes=accepted, num_accepted=num, bonus_tokens=bonus)

@@ -1,0 +1,71 @@
+"""Targets and drafts for speculative-decoding tests.
+
+Random drafts accept almost nothing, which would leave the acceptance paths untested, so the tests
+also use an "echo" pair with a dial (the acceptance dial of shared/reference/peers.md):
+
+- echo target: lm_head = embed_tokens and every residual branch (o_proj, down_proj) scaled by
+  alpha, so the residual stream stays close to the current token's embedding and the target
+  mostly predicts the current token again; larger alpha makes it deviate more often;
+- echo draft: shares the target's lm_head, fc averages the three captured features, its own
+  residual branches are scaled down, so it predicts "the same token again" at every step.
+
+The draft is then right exactly when the target repeats, which gives partial acceptance with
+accepted, rejected and bonus tokens in the same runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from checkpoints import write_kimi_k25_checkpoint
+from draft_checkpoints import write_eagle3_draft
+from safetensors.torch import load_file, save_file
+
+IMAGE_TOKEN = 250
+
+
+def draft_for(target: Path, path: Path, **kwargs) -> Path:
+    return write_eagle3_draft(path, target, **kwargs)
+
+
+def _edit(checkpoint: Path, edit) -> None:
+    index_path = checkpoint / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists() else ["model.safetensors"]
+    tensors = {}
+    for shard in shards:
+        tensors.update({name: (shard, t) for name, t in load_file(checkpoint / shard).items()})
+    edit({name: t for name, (_, t) in tensors.items()})
+    for shard in shards:
+        save_file({name: t for name, (s, t) in tensors.items() if s == shard}, checkpoint / shard)
+
+
+def _scale_residual_branches(tensors: dict[str, torch.Tensor], alpha: float) -> None:
+    for name, tensor in tensors.items():
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")) and "vision_tower" not in name:
+            tensor.mul_(alpha)
+
+
+def echo_kimi_target(path: Path, alpha: float, seed: int = 11) -> Path:
+    write_kimi_k25_checkpoint(path, {"max_position_embeddings": 256}, seed=seed, image_token_id=IMAGE_TOKEN)
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["language_model.lm_head.weight"].copy_(tensors["language_model.model.embed_tokens.weight"])
+        _scale_residual_branches(tensors, alpha)
+
+    _edit(path, edit)
+    return path
+
+
+def echo_draft(target: Path, path: Path, *, kind: str, seed: int = 0, alpha: float = 0.01, **kwargs) -> Path:
+    write_eagle3_draft(path, target, kind=kind, seed=seed, draft_vocab_size=None, **kwargs)
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        fc = tensors["fc.weight"]
+        hidden = fc.shape[0]
+        fc.copy_(torch.eye(hidden).repeat(1, fc.shape[1] // hidden) / (fc.shape[1] // hidden))
+        _scale_residual_branches(tensors, alpha)
+
+    _edit(path, edit)
+    return path
