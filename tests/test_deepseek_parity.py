@@ -59,8 +59,9 @@ def test_prompt_logits_match_transformers(checkpoint):
 def test_greedy_tokens_match_transformers(checkpoint):
     llm = LLM(str(checkpoint), dtype="float32", show_progress=False)
     reference = load_reference_deepseek_v3(checkpoint)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(32))
-    for prompt, out in zip(PROMPTS, outputs):
+    prompts = PROMPTS[:2]  # transformers' generate is the slow part; logits cover all prompts
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(32))
+    for prompt, out in zip(prompts, outputs):
         with torch.no_grad():
             expected = reference.generate(
                 torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
