@@ -68,3 +68,24 @@ def test_greedy_tokens_match_transformers(checkpoint):
             )[0, len(prompt) :].tolist()
         assert out.token_ids == expected
         assert out.finish_reason == "length"
+
+
+def test_captured_layers_are_the_residual_stream_after_each_layer(checkpoint):
+    """EAGLE-3 aux ids mean "output of layer id": transformers' hidden_states[id + 1]."""
+    llm = LLM(str(checkpoint), dtype="float32", show_progress=False)
+    reference = load_reference_deepseek_v3(checkpoint)
+    prompt = PROMPTS[0]
+    engine = llm.engine
+    from eaglet.engine.request import Request
+    from eaglet.sampling_params import SamplingParams
+
+    req = Request("aux", prompt, SamplingParams(max_new_tokens=1))
+    req.req_pool_idx = engine.cache.alloc_row()
+    try:
+        _, out = engine.runner.extend([req], [len(prompt)], capture_layers=(1, 0))
+    finally:
+        engine.cache.free_row(req.req_pool_idx)
+    with torch.no_grad():
+        hidden_states = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden_states[2][0], hidden_states[1][0]], dim=-1)
+    torch.testing.assert_close(out.aux_hidden_states, expected, atol=1e-4, rtol=0)
