@@ -52,5 +52,6 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         while len(outputs) < len(ids):
             for out in self.engine.step():
-                outputs[out.request_id] = out
+                if out.finished:
+                    outputs[out.request_id] = out
         return [outputs[i] for i in ids]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, RequestOutput, RequestStatus
+from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
 from eaglet.layers.attention_backend import TorchNativeMLABackend
 from eaglet.layers.sampler import sample
@@ -36,6 +36,8 @@ class EngineConfig:
     model: str
     dtype: str = "bfloat16"
     max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048  # tokens per step: prefill chunks + decode / verify tokens
+    chunked_prefill_size: int | None = None  # largest prefill chunk of one request (default: the budget)
     context_length: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     kv_cache_blocks: int | None = None  # default: from kv_cache_memory_gb
@@ -97,10 +99,13 @@ class Engine:
             draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
             self.spec_worker = EagleWorker(self.runner, draft, draft_config, self.spec_config, self.cache)
             self.spec_metrics = SpecMetrics(self.spec_config.num_steps, self.spec_config.num_draft_tokens - 1)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
+            self.cache,
+            decode_cost=self.spec_config.num_draft_tokens if self.spec_config else 1,
+            decode_growth=self.spec_scratch or 1,
+        )
         self.requests: dict[str, Request] = {}
-        self._reserved_blocks: dict[str, int] = {}
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -127,7 +132,7 @@ class Engine:
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         req = Request(request_id, token_ids, params, mm_inputs, generator=generator)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return request_id
 
     def _prepare_prompt(self, prompt: str | dict[str, Any]) -> tuple[list[int], MultimodalInputs | None]:
@@ -183,21 +188,46 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self.scheduler.waiting)
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One round: prefill the newly admitted requests together, else decode all running ones
-        (one token each, or one speculative round each).
+        """One scheduler step: the planned prefill chunks, then one decode token (or one speculative
+        round) for every request whose prompt is cached.
 
-        Returns the outputs of the requests that finished in this step.
+        Returns an output for every request that got new tokens or finished in this step.
         """
-        admitted = self._admit()
-        if admitted:
-            return self._prefill(admitted)
-        if not self.running:
-            return []
-        requests = list(self.running)
+        plan = self.scheduler.schedule()
+        touched: list[Request] = []
+        if plan.prefill:
+            touched += self._run_prefill(plan.prefill, plan.prefill_lens)
+        if plan.decode:
+            touched += self._run_decode(plan.decode)
+        return [self.output_of(r) for r in touched]
+
+    def _run_prefill(self, requests: list[Request], num_new: list[int]) -> list[Request]:
+        """Prefill chunks; a request whose fresh prompt completes gets its first token sampled."""
+        samples = [
+            not r.output_token_ids and r.num_cached_tokens + n == prefill_target(r) for r, n in zip(requests, num_new)
+        ]
+        if self.spec_worker is not None:
+            tokens = self.spec_worker.prefill(requests, num_new, lambda logits: self._sample(requests, logits, samples))
+        else:
+            _, output = self.runner.extend(requests, num_new)
+            tokens = self._sample(requests, output.logits, samples)
+        sampled = [r for r, s in zip(requests, samples) if s]
+        self._append(sampled, [[t] for t, s in zip(tokens.tolist(), samples) if s])
+        return sampled
+
+    def _run_decode(self, requests: list[Request]) -> list[Request]:
         if self.spec_worker is not None:
             result = self.spec_worker.decode(requests)
             self.spec_metrics.record(result.num_accepted)
@@ -205,55 +235,33 @@ class Engine:
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += a
                 req.spec_accept_lengths.append(a + 1)
-            return self._append(requests, result.new_tokens)
-        _, output = self.runner.extend(requests, [1] * len(requests))
-        return self._append(requests, [[t] for t in self._sample(requests, output.logits).tolist()])
-
-    def _prefill(self, requests: list[Request]) -> list[RequestOutput]:
-        num_new = [r.num_tokens - r.num_cached_tokens for r in requests]
-        if self.spec_worker is not None:
-            tokens = self.spec_worker.prefill(requests, num_new, lambda logits: self._sample(requests, logits))
+            self._append(requests, result.new_tokens)
         else:
-            _, output = self.runner.extend(requests, num_new)
-            tokens = self._sample(requests, output.logits)
-        return self._append(requests, [[t] for t in tokens.tolist()])
+            _, output = self.runner.extend(requests, [1] * len(requests))
+            self._append(requests, [[t] for t in self._sample(requests, output.logits).tolist()])
+        return requests
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        return sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+    def _sample(self, requests: list[Request], logits: torch.Tensor, rows: list[bool] | None = None) -> torch.Tensor:
+        """Next tokens for the rows that need one (others get -1 and draw no random numbers)."""
+        rows = rows if rows is not None else [True] * len(requests)
+        tokens = torch.full((len(requests),), -1, dtype=torch.long)
+        index = [i for i, needed in enumerate(rows) if needed]
+        if index:
+            chosen = [requests[i] for i in index]
+            tokens[index] = sample(
+                logits[index], [r.sampling_params for r in chosen], [r.generator for r in chosen]
+            )
+        return tokens
 
-    def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> list[RequestOutput]:
+    def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> None:
         """Appends each request's new tokens in order, stopping at the first finishing token."""
-        finished: list[RequestOutput] = []
         for req, tokens in zip(requests, new_tokens):
             for token in tokens:
                 req.output_token_ids.append(token)
                 reason = self._finish_reason(req, token)
                 if reason is not None:
-                    finished.append(self._finish(req, reason))
+                    self._finish(req, reason)
                     break
-        return finished
-
-    def _admit(self) -> list[Request]:
-        """Moves waiting requests to running while rows and cache blocks (for the whole request) last."""
-        admitted: list[Request] = []
-        free_blocks = self.cache.num_free_blocks - sum(
-            self._reserved_blocks[r.request_id] - len(self.cache.row_blocks[r.req_pool_idx]) for r in self.running
-        )
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
-            need = self.cache.blocks_needed(
-                len(req.prompt_token_ids) + req.sampling_params.max_new_tokens + self.spec_scratch
-            )
-            if need > free_blocks:
-                break
-            self.waiting.popleft()
-            req.req_pool_idx = self.cache.alloc_row()
-            req.status = RequestStatus.RUNNING
-            self._reserved_blocks[req.request_id] = need
-            free_blocks -= need
-            self.running.append(req)
-            admitted.append(req)
-        return admitted
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling_params
@@ -263,28 +271,18 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str) -> RequestOutput:
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.cache.free_row(req.req_pool_idx)
-        self.running.remove(req)
-        del self._reserved_blocks[req.request_id]
         del self.requests[req.request_id]
         req.mm_inputs = None
-        return self.output_of(req)
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return
-        if req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status == RequestStatus.RUNNING:
-            self.cache.free_row(req.req_pool_idx)
-            self.running.remove(req)
-            del self._reserved_blocks[request_id]
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = "abort"
+        """Stops a request at once and frees everything it holds; unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, "abort")
 
     def output_of(self, req: Request) -> RequestOutput:
         text = None

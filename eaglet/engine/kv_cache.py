@@ -129,6 +129,15 @@ class KVCacheManager:
         self.row_len[row] = 0
         return row
 
+    def adopt_blocks(self, row: int, blocks: list[int], num_tokens: int) -> None:
+        """Starts an empty row with blocks it already holds a reference to (a prefix-cache hit)."""
+        if self.row_blocks[row] or self.row_len[row]:
+            raise RuntimeError("adopt_blocks needs an empty row")
+        if self.blocks_needed(num_tokens) != len(blocks):
+            raise ValueError(f"{len(blocks)} blocks cannot hold exactly {num_tokens} tokens")
+        self.row_blocks[row] = list(blocks)
+        self.grow(row, num_tokens)
+
     def grow(self, row: int, new_len: int) -> torch.Tensor:
         """Extends the row to new_len tokens; returns the slots of positions [old_len, new_len)."""
         old_len = self.row_len[row]

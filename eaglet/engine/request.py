@@ -31,6 +31,9 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     draft_state: Any = None  # eaglet.spec.eagle_worker.DraftState after a draft extend
+    num_prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
+    num_published_blocks: int = 0  # leading full blocks already published to the prefix cache
+    num_preemptions: int = 0
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
     spec_accept_lengths: list[int] = field(default_factory=list)

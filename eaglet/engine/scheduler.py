@@ -1,0 +1,154 @@
+"""Which requests run in the next step, and how many tokens each: continuous batching.
+
+Every step serves, within ``max_num_batched_tokens``:
+
+1. decode work for every request whose prompt is cached (one token each, or one speculative
+   round costing ``decode_cost`` tokens); if the cache cannot hold their growth, the newest
+   running requests are preempted (their cache freed, recomputed when readmitted) rather than
+   failing anyone;
+2. the next chunk of prompts being prefilled, oldest first;
+3. newly admitted requests, while rows, blocks and budget last.
+
+A request's prompt is "cached" once ``prefill_target`` tokens are: the whole prompt for a fresh
+request; prompt + output minus the last token for a preempted one (its last token is the next
+decode input, so nothing is sampled twice).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill_size: int | None = None  # largest prefill chunk per request (default: the budget)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Request] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+def prefill_target(req: Request) -> int:
+    return req.num_tokens - 1 if req.output_token_ids else req.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: KVCacheManager,
+        *,
+        decode_cost: int = 1,
+        decode_growth: int = 1,
+        prefix_cache=None,  # eaglet.engine.prefix_cache.PrefixCache | None
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.decode_cost = decode_cost
+        self.decode_growth = decode_growth
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drops a request from the queues and frees its cache (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        decode = [r for r in self.running if r.num_cached_tokens >= prefill_target(r)]
+        while decode and not self._reserve(sum(self._decode_blocks(r) for r in decode)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim in decode:
+                decode.remove(victim)
+        plan.decode = decode
+        budget -= len(decode) * self.decode_cost
+
+        for req in [r for r in self.running if r.num_cached_tokens < prefill_target(r)]:
+            if not self._add_chunk(plan, req, budget):
+                break
+            budget -= plan.prefill_lens[-1]
+        while self.waiting and len(self.running) < self.config.max_running_requests and budget > 0:
+            req = self.waiting[0]
+            self._admit(req)
+            if not self._add_chunk(plan, req, budget):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            budget -= plan.prefill_lens[-1]
+        return plan
+
+    def _decode_blocks(self, req: Request) -> int:
+        target = self.cache.blocks_needed(req.num_cached_tokens + self.decode_growth)
+        return max(0, target - len(self.cache.row_blocks[req.req_pool_idx]))
+
+    def _add_chunk(self, plan: StepPlan, req: Request, budget: int) -> bool:
+        remaining = prefill_target(req) - req.num_cached_tokens
+        chunk = min(remaining, budget, self.config.chunked_prefill_size or budget)
+        if chunk <= 0:
+            return False
+        need = self.cache.blocks_needed(req.num_cached_tokens + chunk) - len(self.cache.row_blocks[req.req_pool_idx])
+        if not self._reserve(need):
+            return False
+        plan.prefill.append(req)
+        plan.prefill_lens.append(chunk)
+        return True
+
+    def _reserve(self, num_blocks: int) -> bool:
+        """Whether num_blocks can be allocated now, evicting unused prefix-cache blocks if needed."""
+        shortfall = num_blocks - self.cache.num_free_blocks
+        if shortfall > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(shortfall)
+        return num_blocks <= self.cache.num_free_blocks
+
+    def _admit(self, req: Request) -> None:
+        req.req_pool_idx = self.cache.alloc_row()
+        if self.prefix_cache is not None:
+            blocks, num_tokens = self.prefix_cache.match_request(req, prefill_target(req))
+            self.cache.adopt_blocks(req.req_pool_idx, blocks, num_tokens)
+            req.num_cached_tokens = num_tokens
+            req.num_prefix_hit_tokens = num_tokens
+
+    def _release(self, req: Request) -> None:
+        if req.req_pool_idx is not None:
+            self.cache.free_row(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.num_cached_tokens = 0
+        req.draft_state = None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
