@@ -58,6 +58,13 @@ class ModelRunner:
             req.num_cached_tokens += num_new
         return batch, output
 
+    def image_features(self, req: Request) -> torch.Tensor:
+        """The request's image features, one row per placeholder, encoded on first use."""
+        mm = req.mm_inputs
+        if mm.features is None:
+            mm.features = self.model.encode_images(mm.pixel_values, mm.grid_thws)
+        return mm.features
+
     def merged_embeddings(self, requests: list[Request], batch: ForwardBatch) -> torch.Tensor | None:
         """Token embeddings with image features at placeholder rows, or None for a text-only batch."""
         rows: list[torch.Tensor] = []
@@ -70,10 +77,8 @@ class ModelRunner:
             offsets, feature_ids = mm.feature_rows(start, start + batch.extend_seq_lens_cpu[i])
             if feature_ids.numel() == 0:
                 continue
-            if mm.features is None:
-                mm.features = self.model.encode_images(mm.pixel_values, mm.grid_thws)
             rows.append(offsets + int(batch.extend_start_loc[i]))
-            features.append(mm.features[feature_ids])
+            features.append(self.image_features(req)[feature_ids])
         if not rows:
             return None
         return merge_image_features(self.model.embed_tokens, batch.input_ids, torch.cat(rows), torch.cat(features))

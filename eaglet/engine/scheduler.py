@@ -63,6 +63,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self._planned_blocks = 0  # blocks set aside by the plan being built
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -81,6 +82,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._planned_blocks = 0
         budget = self.config.max_num_batched_tokens
         decode = [r for r in self.running if r.num_cached_tokens >= prefill_target(r)]
         while decode and not self._reserve(sum(self._decode_blocks(r) for r in decode)):
@@ -125,11 +127,15 @@ class Scheduler:
         return True
 
     def _reserve(self, num_blocks: int) -> bool:
-        """Whether num_blocks can be allocated now, evicting unused prefix-cache blocks if needed."""
-        shortfall = num_blocks - self.cache.num_free_blocks
-        if shortfall > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(shortfall)
-        return num_blocks <= self.cache.num_free_blocks
+        """Sets num_blocks aside for this step's plan if the cache has them (evicting unused
+        prefix-cache blocks if needed)."""
+        needed = self._planned_blocks + num_blocks
+        if needed > self.cache.num_free_blocks and self.prefix_cache is not None:
+            self.prefix_cache.evict(needed - self.cache.num_free_blocks)
+        if needed > self.cache.num_free_blocks:
+            return False
+        self._planned_blocks = needed
+        return True
 
     def _admit(self, req: Request) -> None:
         req.req_pool_idx = self.cache.alloc_row()

@@ -111,10 +111,9 @@ class EagleWorker:
         is_placeholder = tails == image_token if image_token is not None else torch.zeros_like(tails, dtype=torch.bool)
         embeds = self.runner.model.embed_tokens(tails.masked_fill(is_placeholder, 0))
         for i in torch.nonzero(is_placeholder & ~torch.tensor(final)).flatten().tolist():
-            mm = requests[i].mm_inputs
             position = requests[i].num_cached_tokens
-            _, rows = mm.feature_rows(position, position + 1)
-            embeds[i] = mm.features[rows[0]]
+            _, rows = requests[i].mm_inputs.feature_rows(position, position + 1)
+            embeds[i] = self.runner.image_features(requests[i])[rows[0]]
         return embeds
 
     def _draft_extend(

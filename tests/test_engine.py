@@ -1,0 +1,159 @@
+"""Engine core: continuous batching, chunked prefill, preemption, aborts, speculative == plain."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from runtime_utils import greedy, make_image
+from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
+
+from eaglet import LLM, SamplingParams
+from eaglet.engine.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = echo_kimi_target(tmp_path_factory.mktemp("target"), alpha=1.0)
+    draft = echo_draft(target, tmp_path_factory.mktemp("draft"), kind="mla", seed=1)
+    return target, draft
+
+
+def make_llm(models, spec: bool, **kwargs) -> LLM:
+    target, draft = models
+    extra = {}
+    if spec:
+        extra = dict(
+            speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft), speculative_num_steps=3,
+            speculative_eagle_topk=2, speculative_num_draft_tokens=5,
+        )
+    return LLM(str(target), dtype="float32", show_progress=False, **extra, **kwargs)
+
+
+def workload():
+    return [
+        {"prompt_token_ids": [3, 4, IMAGE_TOKEN, 9, 10, 11, 12, 13, 14], "images": [make_image(40, 28, 0)]},
+        {"prompt_token_ids": list(range(20, 45))},
+        {"prompt_token_ids": [IMAGE_TOKEN, 21, IMAGE_TOKEN], "images": [make_image(24, 56, 1), make_image(16, 16, 2)]},
+        {"prompt_token_ids": [7, 8]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Each request run alone, plain decoding, no chunking: the outputs every other run must equal."""
+    llm = make_llm(models, spec=False)
+    return [llm.generate([r], greedy(20))[0].token_ids for r in workload()]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_chunked_prefill_equals_one_shot(models, reference, spec):
+    llm = make_llm(models, spec, chunked_prefill_size=4, max_num_batched_tokens=16)
+    assert [o.token_ids for o in llm.generate(workload(), greedy(20))] == reference
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_small_cache_preempts_and_still_completes(models, reference, spec):
+    llm = make_llm(models, spec, block_size=4, kv_cache_blocks=22)
+    engine = llm.engine
+    free = engine.cache.num_free_blocks
+    preemptions = 0
+    ids = [engine.add_request(r, greedy(20)) for r in workload()]
+    reqs = [engine.requests[i] for i in ids]
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    preemptions = sum(r.num_preemptions for r in reqs)
+    assert preemptions > 0
+    assert [finished[i] for i in ids] == reference
+    assert engine.cache.num_free_blocks == free
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_requests_arriving_while_others_decode(models, reference, spec):
+    llm = make_llm(models, spec, max_num_batched_tokens=24)
+    engine = llm.engine
+    finished = {}
+    ids = []
+    for request in workload():
+        ids.append(engine.add_request(request, greedy(20)))
+        for out in engine.step() + engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    assert [finished[i] for i in ids] == reference
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_abort_frees_everything_and_others_continue(models, reference, spec):
+    llm = make_llm(models, spec, chunked_prefill_size=4, max_num_batched_tokens=12)
+    engine = llm.engine
+    free = engine.cache.num_free_blocks
+    ids = [engine.add_request(r, greedy(20)) for r in workload()]
+    engine.step()
+    engine.abort(ids[1])  # mid-prefill
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[0])  # mid-decode
+    engine.abort("no-such-request")
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    assert finished == {ids[2]: reference[2], ids[3]: reference[3]}
+    assert engine.cache.num_free_blocks == free
+    assert not engine.running and not engine.waiting
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    return make_llm(models, spec=False).engine, make_llm(models, spec=True).engine
+
+
+def run_workload(engine: Engine, arrivals, chunk: int, budget: int) -> dict:
+    engine.scheduler.config.chunked_prefill_size = chunk
+    engine.scheduler.config.max_num_batched_tokens = budget
+    results, pending, step = {}, list(arrivals), 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, request, params = pending.pop(0)
+            results[engine.add_request(request, params)] = None
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = (out.token_ids, out.finish_reason)
+        step += 1
+    return list(results.values())
+
+
+prompt_strategy = st.one_of(
+    st.lists(st.integers(0, 249), min_size=1, max_size=30).map(lambda ids: {"prompt_token_ids": ids}),
+    st.tuples(st.lists(st.integers(0, 249), min_size=0, max_size=10), st.integers(8, 48), st.integers(0, 3)).map(
+        lambda t: {"prompt_token_ids": t[0] + [IMAGE_TOKEN], "images": [make_image(t[1], 20, t[2])]}
+    ),
+)
+request_strategy = st.tuples(
+    st.integers(0, 6),  # arrival step
+    prompt_strategy,
+    st.integers(1, 14),  # max_new_tokens
+    st.lists(st.integers(0, 255), max_size=2),  # stop_token_ids
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request_strategy, min_size=1, max_size=5), chunk=st.integers(2, 40), budget=st.integers(16, 64))
+def test_speculative_equals_plain_on_random_workloads(engines, requests, chunk, budget):
+    plain_engine, spec_engine = engines
+    arrivals = sorted(
+        [(arrival, prompt, SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=stops))
+         for arrival, prompt, n, stops in requests],
+        key=lambda a: a[0],
+    )
+    plain = run_workload(plain_engine, arrivals, chunk, budget)
+    spec = run_workload(spec_engine, arrivals, chunk, budget)
+    assert spec == plain
+    for engine in engines:
+        assert engine.cache.num_free_blocks == engine.cache.allocator.num_usable
