@@ -157,3 +157,38 @@ def test_speculative_equals_plain_on_random_workloads(engines, requests, chunk, 
     assert spec == plain
     for engine in engines:
         assert engine.cache.num_free_blocks == engine.cache.allocator.num_usable
+
+
+SAMPLING_CASES = {
+    "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+    "logit_bias": dict(logit_bias={232: -100.0, 248: -100.0, 7: 4.0}),
+    "min_tokens": dict(min_tokens=6, stop_token_ids=[232, 44, 248, 119]),
+}
+BASELINE = {"min_tokens": dict(stop_token_ids=[232, 44, 248, 119])}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampling_parameters_identical_with_and_without_speculation(engines, case):
+    """Greedy with history-dependent processors: every draft position sees its path's history."""
+    plain_engine, spec_engine = engines
+    kwargs = SAMPLING_CASES[case]
+    arrivals = [(0, r, SamplingParams(max_new_tokens=16, temperature=0.0, **kwargs)) for r in workload()]
+    plain = run_workload(plain_engine, arrivals, 64, 256)
+    spec = run_workload(spec_engine, arrivals, 64, 256)
+    assert spec == plain
+    # The processors changed something: the echo target otherwise repeats one token forever.
+    baseline = [(0, r, SamplingParams(max_new_tokens=16, temperature=0.0, **BASELINE.get(case, {}))) for r in workload()]
+    assert plain != run_workload(plain_engine, baseline, 64, 256)
+
+
+def test_logprobs_identical_with_and_without_speculation(models):
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, logprobs=3)
+    plain = make_llm(models, spec=False).generate(workload(), params)
+    spec = make_llm(models, spec=True).generate(workload(), params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id
+            assert abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top] and len(x.top) == 3

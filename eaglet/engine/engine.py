@@ -13,10 +13,11 @@ import torch
 
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
-from eaglet.engine.request import Request, RequestOutput, RequestStatus
+from eaglet.engine.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
 from eaglet.layers.attention_backend import TorchNativeMLABackend
+from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.eagle3 import load_eagle3_draft
 from eaglet.models.registry import load_model, resolve_dtype
@@ -97,7 +98,9 @@ class Engine:
                 self.spec_config.draft_model_path, self.model_config, dtype, show_progress=config.show_progress
             )
             draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
-            self.spec_worker = EagleWorker(self.runner, draft, draft_config, self.spec_config, self.cache)
+            self.spec_worker = EagleWorker(
+                self.runner, draft, draft_config, self.spec_config, self.cache, frozenset(self.eos_token_ids)
+            )
             self.spec_metrics = SpecMetrics(self.spec_config.num_steps, self.spec_config.num_draft_tokens - 1)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
@@ -114,6 +117,7 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params.validate_for_vocab(self.model_config.text.vocab_size)
         token_ids, mm_inputs = self._prepare_prompt(prompt)
         needed = len(token_ids) + params.max_new_tokens
         if needed > self.context_len:
@@ -242,15 +246,24 @@ class Engine:
         return requests
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, rows: list[bool] | None = None) -> torch.Tensor:
-        """Next tokens for the rows that need one (others get -1 and draw no random numbers)."""
+        """Next tokens for the rows that need one (others get -1 and draw no random numbers).
+
+        Penalties, logit bias and min_tokens shape the logits first; logprobs are recorded from
+        the raw logits for requests that asked for them.
+        """
         rows = rows if rows is not None else [True] * len(requests)
         tokens = torch.full((len(requests),), -1, dtype=torch.long)
         index = [i for i, needed in enumerate(rows) if needed]
-        if index:
-            chosen = [requests[i] for i in index]
-            tokens[index] = sample(
-                logits[index], [r.sampling_params for r in chosen], [r.generator for r in chosen]
-            )
+        if not index:
+            return tokens
+        chosen = [requests[i] for i in index]
+        raw = logits[index]
+        processed = process_logits(
+            raw, [LogitsRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids) for r in chosen], self.eos_token_ids
+        )
+        picked = sample(processed, [r.sampling_params for r in chosen], [r.generator for r in chosen])
+        tokens[index] = picked
+        record_logprobs(chosen, raw, picked[:, None])
         return tokens
 
     def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> None:
@@ -262,6 +275,8 @@ class Engine:
                 if reason is not None:
                     self._finish(req, reason)
                     break
+            # Logprobs were recorded for every proposed token; keep those of the tokens kept.
+            del req.output_logprobs[len(req.output_token_ids) :]
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling_params
@@ -297,6 +312,7 @@ class Engine:
             spec_verify_ct=req.spec_verify_ct,
             spec_accepted_tokens=req.spec_accepted_tokens,
             spec_accept_lengths=list(req.spec_accept_lengths),
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
         )
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from eaglet.layers.logits_processor import logprobs_of
+
 from eaglet.multimodal.inputs import MultimodalInputs
 from eaglet.sampling_params import SamplingParams
 
@@ -16,6 +18,13 @@ class RequestStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # log-probability under the raw model distribution
+    top: list[tuple[int, float]]  # the most likely tokens with their log-probabilities, best first
 
 
 @dataclass
@@ -34,6 +43,7 @@ class Request:
     num_prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
     num_published_blocks: int = 0  # leading full blocks already published to the prefix cache
     num_preemptions: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
     spec_accept_lengths: list[int] = field(default_factory=list)
@@ -59,7 +69,24 @@ class RequestOutput:
     spec_verify_ct: int = 0  # speculative verify steps
     spec_accepted_tokens: int = 0  # accepted draft tokens (bonus tokens excluded)
     spec_accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + bonus
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def record_logprobs(requests: list[Request], raw_logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Appends TokenLogprobs of ``tokens`` [B, K] (K tokens per request, -1 = none) under
+    ``raw_logits`` [B, K, V] or [B, V] (K = 1) to each request that asked for logprobs."""
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not wanted:
+        return
+    logits = raw_logits if raw_logits.dim() == 3 else raw_logits[:, None, :]
+    num_top = max(requests[i].sampling_params.logprobs for i in wanted)
+    for i in wanted:
+        valid = tokens[i] >= 0
+        chosen_lp, top_ids, top_lps = logprobs_of(logits[i][valid], tokens[i][valid], num_top)
+        k = requests[i].sampling_params.logprobs
+        for token, lp, ids, lps in zip(tokens[i][valid].tolist(), chosen_lp.tolist(), top_ids.tolist(), top_lps.tolist()):
+            requests[i].output_logprobs.append(TokenLogprob(token, lp, list(zip(ids[:k], lps[:k]))))

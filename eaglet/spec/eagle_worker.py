@@ -30,7 +30,8 @@ import torch
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
-from eaglet.engine.request import Request
+from eaglet.engine.request import Request, record_logprobs
+from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import shaped_probs
 from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
 from eaglet.spec.config import SpeculativeConfig
@@ -63,12 +64,14 @@ class EagleWorker:
         draft_config: Eagle3Config,
         spec: SpeculativeConfig,
         cache: KVCacheManager,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.runner = runner
         self.draft = draft
         self.draft_config = draft_config
         self.spec = spec
         self.cache = cache
+        self.eos_token_ids = eos_token_ids
         dtype = next(draft.parameters()).dtype
         self.pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, dtype, cache.device))
         self.draft_backend = draft.make_backend(cache, self.pool)
@@ -152,8 +155,8 @@ class EagleWorker:
             self.cache.grow(req.req_pool_idx, req.num_cached_tokens + spec.scratch_len)
         roots = torch.tensor([r.output_token_ids[-1] for r in requests])
         tree = self._draft_tree(requests, rows, prefix, roots)
-        result, features = self._verify(requests, rows, prefix, tree)
-        round_result = self._commit(requests, rows, prefix, tree, result, features)
+        result, raw_logits, features = self._verify(requests, rows, prefix, tree)
+        round_result = self._commit(requests, rows, prefix, tree, result, raw_logits, features)
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
         self.timer.add("bookkeeping", time.perf_counter() - start - model_seconds)
         self.timer.rounds += 1
@@ -233,7 +236,7 @@ class EagleWorker:
 
     def _verify(
         self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, tree: DraftTree
-    ) -> tuple[VerifyResult, torch.Tensor]:
+    ) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
         batch_size, n = tree.tokens.shape
         num_keys = int(prefix.max()) + n
         slots = self.cache.req_to_token[rows[:, None], prefix[:, None] + torch.arange(n)]
@@ -250,8 +253,9 @@ class EagleWorker:
             custom_mask=tree_attention_mask(tree, prefix, num_keys),
         )
         with self._phase("verify"):
-            output = self.runner.model(batch, self.runner.backend)
-        logits = output.logits.view(batch_size, n, -1)
+                output = self.runner.model(batch, self.runner.backend)
+        raw_logits = output.logits.view(batch_size, n, -1)
+        logits = self._process_tree_logits(requests, tree, raw_logits)
         params = [r.sampling_params for r in requests]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         result = verify_greedy(tree.tokens, tree.parents, logits)
@@ -266,7 +270,25 @@ class EagleWorker:
             result.accepted_nodes[idx] = sampled.accepted_nodes
             result.num_accepted[idx] = sampled.num_accepted
             result.bonus_tokens[idx] = sampled.bonus_tokens
-        return result, output.aux_hidden_states
+        return result, raw_logits, output.aux_hidden_states
+
+    def _process_tree_logits(self, requests: list[Request], tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties, logit bias and min_tokens per tree node, each node's history being the committed
+        output plus the draft tokens on its path (so node i is processed exactly as plain decoding
+        would process that position)."""
+        if not any(r.sampling_params.needs_logits_processing for r in requests):
+            return logits
+        batch_size, n = tree.tokens.shape
+        ancestors = tree.ancestor_mask().tolist()
+        tokens = tree.tokens.tolist()
+        depth_order = tree.depths.argsort(dim=1, stable=True).tolist()
+        rows = []
+        for b, req in enumerate(requests):
+            for i in range(n):
+                path = [tokens[b][j] for j in depth_order[b] if j != 0 and ancestors[b][i][j]]
+                rows.append(LogitsRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids + path))
+        flat = process_logits(logits.reshape(batch_size * n, -1), rows, self.eos_token_ids)
+        return flat.view(batch_size, n, -1)
 
     def _commit(
         self,
@@ -275,6 +297,7 @@ class EagleWorker:
         prefix: torch.Tensor,
         tree: DraftTree,
         result: VerifyResult,
+        raw_logits: torch.Tensor,
         features: torch.Tensor,
     ) -> RoundResult:
         batch_size, n = tree.tokens.shape
@@ -298,6 +321,10 @@ class EagleWorker:
         path_tokens = tree.tokens.gather(1, path.clamp(min=0))  # [B, D+1], root first
         next_ids = torch.cat([path_tokens[:, 1:], torch.zeros(batch_size, 1, dtype=torch.long)], dim=1)
         next_ids.scatter_(1, accepted[:, None], result.bonus_tokens[:, None])
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            # Logprobs of each emitted token come from the target's logits at its parent node.
+            parent_logits = raw_logits.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
+            record_logprobs(requests, parent_logits, next_ids.masked_fill(~valid, -1))
         feature_rows = (torch.arange(batch_size)[:, None] * n + path.clamp(min=0))[valid]
         batch = ForwardBatch.build(
             input_ids=next_ids[valid],
