@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from checkpoints import write_kimi_k25_checkpoint
+from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
 from draft_checkpoints import write_eagle3_draft
 from safetensors.torch import load_file, save_file
 
@@ -58,8 +58,20 @@ def echo_kimi_target(path: Path, alpha: float, seed: int = 11) -> Path:
     return path
 
 
+def echo_text_target(path: Path, alpha: float, text_overrides: dict | None = None, seed: int = 11, dtype=torch.float32) -> Path:
+    write_deepseek_v3_checkpoint(path, text_overrides, seed=seed, dtype=dtype)
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["lm_head.weight"].copy_(tensors["model.embed_tokens.weight"])
+        _scale_residual_branches(tensors, alpha)
+
+    _edit(path, edit)
+    return path
+
+
 def echo_draft(target: Path, path: Path, *, kind: str, seed: int = 0, alpha: float = 0.01, **kwargs) -> Path:
-    write_eagle3_draft(path, target, kind=kind, seed=seed, draft_vocab_size=None, **kwargs)
+    kwargs.setdefault("draft_vocab_size", None)
+    write_eagle3_draft(path, target, kind=kind, seed=seed, **kwargs)
 
     def edit(tensors: dict[str, torch.Tensor]) -> None:
         fc = tensors["fc.weight"]

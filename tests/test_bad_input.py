@@ -155,7 +155,7 @@ def test_bad_requests(llm, request_, params, message):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}, request_], params)
     # Nothing was queued or allocated, and the engine still serves.
     assert not llm.engine.has_unfinished()
-    assert llm.engine.cache.num_free_blocks == llm.engine.cache.allocator.num_usable
+    assert llm.engine.num_free_blocks() == llm.engine.cache.allocator.num_usable
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2))[0].token_ids) == 2
 
 

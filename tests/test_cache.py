@@ -64,7 +64,7 @@ def test_prefill_plus_decode_equals_full_recompute(llm):
     # And the logits of each decode step equal the recompute at that position.
     chunked = prompt_logits(llm, [{"prompt_token_ids": full}], chunk=1)[0]
     torch.testing.assert_close(chunked, recomputed, atol=1e-5, rtol=0)
-    assert llm.engine.cache.num_free_blocks == llm.engine.cache.allocator.num_usable
+    assert llm.engine.num_free_blocks() == llm.engine.cache.allocator.num_usable
 
 
 def test_decode_steps_in_absorbed_form_match_decompressed(llm):

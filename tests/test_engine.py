@@ -54,7 +54,7 @@ def test_chunked_prefill_equals_one_shot(models, reference, spec):
 def test_small_cache_preempts_and_still_completes(models, reference, spec):
     llm = make_llm(models, spec, block_size=4, kv_cache_blocks=22)
     engine = llm.engine
-    free = engine.cache.num_free_blocks
+    free = engine.num_free_blocks()
     preemptions = 0
     ids = [engine.add_request(r, greedy(20)) for r in workload()]
     reqs = [engine.requests[i] for i in ids]
@@ -66,7 +66,7 @@ def test_small_cache_preempts_and_still_completes(models, reference, spec):
     preemptions = sum(r.num_preemptions for r in reqs)
     assert preemptions > 0
     assert [finished[i] for i in ids] == reference
-    assert engine.cache.num_free_blocks == free
+    assert engine.num_free_blocks() == free
 
 
 @pytest.mark.parametrize("spec", [False, True])
@@ -91,7 +91,7 @@ def test_requests_arriving_while_others_decode(models, reference, spec):
 def test_abort_frees_everything_and_others_continue(models, reference, spec):
     llm = make_llm(models, spec, chunked_prefill_size=4, max_num_batched_tokens=12)
     engine = llm.engine
-    free = engine.cache.num_free_blocks
+    free = engine.num_free_blocks()
     ids = [engine.add_request(r, greedy(20)) for r in workload()]
     engine.step()
     engine.abort(ids[1])  # mid-prefill
@@ -105,7 +105,7 @@ def test_abort_frees_everything_and_others_continue(models, reference, spec):
             if out.finished:
                 finished[out.request_id] = out.token_ids
     assert finished == {ids[2]: reference[2], ids[3]: reference[3]}
-    assert engine.cache.num_free_blocks == free
+    assert engine.num_free_blocks() == free
     assert not engine.running and not engine.waiting
 
 
@@ -156,7 +156,7 @@ def test_speculative_equals_plain_on_random_workloads(engines, requests, chunk, 
     spec = run_workload(spec_engine, arrivals, chunk, budget)
     assert spec == plain
     for engine in engines:
-        assert engine.cache.num_free_blocks == engine.cache.allocator.num_usable
+        assert engine.num_free_blocks() == engine.cache.allocator.num_usable
 
 
 SAMPLING_CASES = {
@@ -192,3 +192,69 @@ def test_logprobs_identical_with_and_without_speculation(models):
             assert x.token_id == y.token_id
             assert abs(x.logprob - y.logprob) < 1e-4
             assert [t for t, _ in x.top] == [t for t, _ in y.top] and len(x.top) == 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer_models(tmp_path_factory):
+    from checkpoints import write_kimi_k25_checkpoint
+
+    target = tmp_path_factory.mktemp("tok-target")
+    write_kimi_k25_checkpoint(target, {"vocab_size": 512, "max_position_embeddings": 256}, seed=21,
+                              image_token_id=IMAGE_TOKEN, with_tokenizer=True)
+    draft = echo_draft(target, tmp_path_factory.mktemp("tok-draft"), kind="mla", seed=2)
+    return target, draft
+
+
+def test_stop_strings_cut_identically_with_and_without_speculation(tokenizer_models):
+    plain_llm = make_llm(tokenizer_models, spec=False)
+    spec_llm = make_llm(tokenizer_models, spec=True)
+    prompts = ["The quick brown fox", "Return the value of", "import sys"]
+    free_run = plain_llm.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+    checked = 0
+    for prompt, out in zip(prompts, free_run):
+        text = out.text
+        if len(text) < 12:
+            continue
+        stop = text[len(text) // 2 : len(text) // 2 + 3]  # likely spans token boundaries
+        for include in (False, True):
+            params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop, "\x00never"],
+                                    include_stop_str_in_output=include)
+            a = plain_llm.generate([prompt], params)[0]
+            b = spec_llm.generate([prompt], params)[0]
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert a.finish_reason == "stop"
+            first = text.index(stop)
+            assert a.text == (text[: first + len(stop)] if include else text[:first])
+            checked += 1
+    assert checked >= 2
+    assert spec_llm.engine.num_free_blocks() == spec_llm.engine.cache.allocator.num_usable
+
+
+def test_prefix_cache_hits_give_identical_outputs_and_acceptance(models):
+    image = make_image(40, 28, 0)
+    shared = [3, 4, IMAGE_TOKEN] + list(range(30, 60))
+    requests = [
+        {"prompt_token_ids": shared, "images": [image]},
+        {"prompt_token_ids": shared + [61, 62, 63], "images": [image]},  # extends the first
+        {"prompt_token_ids": shared, "images": [image]},  # identical
+        {"prompt_token_ids": shared, "images": [make_image(40, 28, 9)]},  # same ids, other image
+    ]
+    params = greedy(16)
+    cold = make_llm(models, spec=True, enable_prefix_caching=False, block_size=4)
+    warm = make_llm(models, spec=True, block_size=4)
+    expected = [cold.generate([r], params)[0] for r in requests]
+    got, hits = [], []
+    for r in requests:  # one after the other, so each can hit what the earlier ones published
+        engine = warm.engine
+        request_id = engine.add_request(r, params)
+        req = engine.requests[request_id]
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    got.append(out)
+        hits.append(req.num_prefix_hit_tokens)
+    assert [(o.token_ids, o.spec_accept_lengths) for o in got] == [(o.token_ids, o.spec_accept_lengths) for o in expected]
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] > 0
+    assert hits[3] == 0  # the first block already holds a placeholder of the other image
+    assert warm.engine.prefix_cache.hit_rate > 0
+    assert warm.engine.num_free_blocks() == warm.engine.cache.allocator.num_usable

@@ -89,7 +89,7 @@ def test_batch_invariance(llm):
     reversed_logits = prompt_logits(llm, reqs[::-1])[::-1]
     for a, b in zip(batched_logits, reversed_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert llm.engine.cache.num_free_blocks == llm.engine.cache.allocator.num_usable
+    assert llm.engine.num_free_blocks() == llm.engine.cache.allocator.num_usable
 
 
 def test_chunked_prefill_with_images_equals_one_shot(llm):
@@ -117,7 +117,7 @@ def test_bad_multimodal_requests(llm, request_, error, message):
     with pytest.raises(error, match=message):
         llm.generate([requests()[0], request_], greedy(2))
     assert not llm.engine.has_unfinished()
-    assert llm.engine.cache.num_free_blocks == llm.engine.cache.allocator.num_usable
+    assert llm.engine.num_free_blocks() == llm.engine.cache.allocator.num_usable
 
 
 def test_processor_reads_checkpoint_config(checkpoint):

@@ -81,7 +81,7 @@ def test_greedy_speculation_is_lossless_on_ragged_multimodal_batch(name, target,
         # The echo pair accepts often but not always: acceptance, rejection and bonus all ran.
         assert 1.5 < metrics["accept_length"] < steps + 1, metrics
     cache = llm.engine.cache
-    assert cache.num_free_blocks == cache.allocator.num_usable
+    assert llm.engine.num_free_blocks() == cache.allocator.num_usable
 
 
 def test_batched_speculation_equals_each_request_alone(target, tmp_path):
@@ -123,7 +123,7 @@ def test_caches_hold_exactly_the_accepted_path(target, tmp_path):
     llm = spec_llm(target, draft, 3, 2, 6)
     engine = llm.engine
     reference = spec_llm(target, draft, 3, 2, 6)
-    initial_free = engine.cache.num_free_blocks
+    initial_free = engine.num_free_blocks()
     for request in mixed_requests()[:3]:
         engine.add_request(request, greedy(30))
     rounds = 0
@@ -140,7 +140,7 @@ def test_caches_hold_exactly_the_accepted_path(target, tmp_path):
             torch.testing.assert_close(engine.cache.target.kv[:, slots], fresh_target, atol=1e-5, rtol=0)
             torch.testing.assert_close(engine.spec_worker.pool.kv[:, slots], fresh_draft, atol=1e-5, rtol=0)
     assert rounds > 3
-    assert engine.cache.num_free_blocks == initial_free
+    assert engine.num_free_blocks() == initial_free
 
 
 def fresh_cache_rows(llm: LLM, req: Request) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,10 +26,10 @@ The cut (``StopMatch.num_tokens``), the vLLM / SGLang convention:
   (the rest of the accepted block) are dropped as if never generated, and ``finish_reason`` is ``"stop"``.
 * text: cut at the START of the stop string (``include_stop_str_in_output=False``) or at its end (True).
   Text the completing token produced after the stop string is dropped, and with the default the stop
-  string itself too, so ``StopMatch.text`` is in general a strict prefix of
+  string itself too, so ``StopMatch.text`` is a prefix (usually a strict one) of
   ``tokenizer.decode(output_token_ids[:num_tokens])``: the caller must report ``StopMatch.text`` and not
-  re-decode the kept tokens. ``num_tokens`` is minimal: the first ``num_tokens - 1`` tokens do not
-  contain the whole stop string.
+  re-decode the kept tokens. ``num_tokens`` is minimal: the text of the first ``num_tokens - 1`` tokens
+  does not contain the whole matched occurrence.
 
 How the engine is expected to use it, per request and per step (block = the accepted tokens of one
 speculative round, or the one sampled token)::
@@ -44,8 +44,9 @@ speculative round, or the one sampled token)::
         keep, text = all, detok.text
     stream = checker.stream_delta(detok, finished=...)   # never shows part of a stop string
 
-Because only tokens before the finish point are appended, a stop string can never match text after an
-EOS, and a stop string completed by the EOS token itself (``skip_special_tokens=False``) wins over it.
+Because only tokens up to the finish point are appended, a stop string can never match text after an
+EOS or past max_new_tokens, and a stop string completed by the finishing token itself wins over it
+(e.g. the EOS text with ``skip_special_tokens=False``). Stop strings only ever match generated text.
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ class IncrementalDetokenizer:
     tokens, as vLLM and SGLang do: a SentencePiece tokenizer then keeps the leading space of the first
     generated word, and a character split between prompt and output comes out whole; the contract is then
     relative to ``decode(prompt tail + generated ids)`` minus the prompt tail's own text. Byte-level BPE
-    tokenizers (DeepSeek, Kimi, GPT-style) give the same text either way.
+    tokenizers (DeepSeek, Kimi, GPT-style) give the same text either way, but for such a split character.
 
     Known limit (shared with vLLM / SGLang): text already returned is never taken back, so a tokenizer
     whose decode changes earlier characters when later tokens arrive (clean-up of spaces before
     punctuation; a byte-fallback run that first spells valid characters and then turns invalid) can make
-    the deltas differ from the one-shot decode; ``finish()`` then returns the window's remainder.
+    the deltas differ from the one-shot decode; ``finish()`` then returns the window's remainder. The
+    window only slides when text grows, so a long run of tokens that decode to nothing (skipped special
+    tokens, an endless invalid byte sequence) makes each step decode the whole run.
     """
 
     def __init__(

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
+from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.engine.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
@@ -39,6 +41,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_num_batched_tokens: int = 2048  # tokens per step: prefill chunks + decode / verify tokens
     chunked_prefill_size: int | None = None  # largest prefill chunk of one request (default: the budget)
+    enable_prefix_caching: bool = True
     context_length: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     kv_cache_blocks: int | None = None  # default: from kv_cache_memory_gb
@@ -107,6 +110,7 @@ class Engine:
             self.cache,
             decode_cost=self.spec_config.num_draft_tokens if self.spec_config else 1,
             decode_growth=self.spec_scratch or 1,
+            prefix_cache=PrefixCache(self.cache.allocator, config.block_size) if config.enable_prefix_caching else None,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -134,7 +138,12 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator()
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
         req = Request(request_id, token_ids, params, mm_inputs, generator=generator)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            req.stop_checker = StopStringChecker(params.stop, params.include_stop_str_in_output, params.min_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -195,6 +204,15 @@ class Engine:
         return self.scheduler.has_work()
 
     @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.scheduler.prefix_cache
+
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds: free, or held only by the prefix cache (evictable on demand)."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache is not None else 0
+        return self.cache.num_free_blocks + evictable
+
+    @property
     def running(self) -> list[Request]:
         return self.scheduler.running
 
@@ -215,6 +233,8 @@ class Engine:
             touched += self._run_prefill(plan.prefill, plan.prefill_lens)
         if plan.decode:
             touched += self._run_decode(plan.decode)
+        for req in plan.prefill + plan.decode:
+            self.scheduler.publish(req)
         return [self.output_of(r) for r in touched]
 
     def _run_prefill(self, requests: list[Request], num_new: list[int]) -> list[Request]:
@@ -267,26 +287,44 @@ class Engine:
         return tokens
 
     def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> None:
-        """Appends each request's new tokens in order, stopping at the first finishing token."""
+        """Appends each request's new tokens (one sampled token, or a speculative block), cut at the
+        first finish in token order: EOS / stop token ids / max_new_tokens at a token, or a stop
+        string completed by a token (which wins at the same token). Token ids, text and logprobs are
+        all cut at that point, exactly as one-token-at-a-time decoding would cut them."""
         for req, tokens in zip(requests, new_tokens):
-            for token in tokens:
-                req.output_token_ids.append(token)
-                reason = self._finish_reason(req, token)
+            reason = None
+            for i, token in enumerate(tokens):
+                reason = self._finish_reason(req, len(req.output_token_ids) + i + 1, token)
                 if reason is not None:
-                    self._finish(req, reason)
+                    tokens = tokens[: i + 1]
                     break
+            req.output_token_ids.extend(tokens)
+            if req.detokenizer is not None:
+                req.detokenizer.append(tokens)
+                match = req.stop_checker.check(req.detokenizer)
+                if match is not None:
+                    del req.output_token_ids[match.num_tokens :]
+                    req.final_text, reason = match.text, "stop"
+                elif reason is not None:
+                    req.detokenizer.finish()
+                    req.final_text = req.detokenizer.text
             # Logprobs were recorded for every proposed token; keep those of the tokens kept.
             del req.output_logprobs[len(req.output_token_ids) :]
+            if reason is not None:
+                self._finish(req, reason)
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
+    def _finish_reason(self, req: Request, num_generated: int, token: int) -> str | None:
         params = req.sampling_params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if len(req.output_token_ids) >= params.max_new_tokens:
+            if num_generated > params.min_tokens:
+                return "stop"
+        if num_generated >= params.max_new_tokens:
             return "length"
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
+        if reason != "abort":
+            self.scheduler.publish(req)
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -300,9 +338,10 @@ class Engine:
             self._finish(req, "abort")
 
     def output_of(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        """The request's output so far; unfinished text holds back a possible partial stop string."""
+        text = req.final_text
+        if text is None and req.detokenizer is not None:
+            text = req.stop_checker.streamable_text(req.detokenizer)
         return RequestOutput(
             req.request_id,
             req.prompt_token_ids,

@@ -44,6 +44,9 @@ class Request:
     num_published_blocks: int = 0  # leading full blocks already published to the prefix cache
     num_preemptions: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
+    detokenizer: Any = None  # eaglet.engine.detokenizer.IncrementalDetokenizer, with a tokenizer
+    stop_checker: Any = None  # eaglet.engine.detokenizer.StopStringChecker, with a tokenizer
+    final_text: str | None = None  # the output text once finished
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
     spec_accept_lengths: list[int] = field(default_factory=list)

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.engine.prefix_cache import PrefixCache, block_keys, image_spans
 from eaglet.engine.request import Request, RequestStatus
 
 
@@ -54,7 +55,7 @@ class Scheduler:
         *,
         decode_cost: int = 1,
         decode_growth: int = 1,
-        prefix_cache=None,  # eaglet.engine.prefix_cache.PrefixCache | None
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.config = config
         self.cache = cache
@@ -140,16 +141,35 @@ class Scheduler:
     def _admit(self, req: Request) -> None:
         req.req_pool_idx = self.cache.alloc_row()
         if self.prefix_cache is not None:
-            blocks, num_tokens = self.prefix_cache.match_request(req, prefill_target(req))
-            self.cache.adopt_blocks(req.req_pool_idx, blocks, num_tokens)
-            req.num_cached_tokens = num_tokens
-            req.num_prefix_hit_tokens = num_tokens
+            # At least one token is always computed: the logits of the last one, and the draft's
+            # state for a speculative request.
+            usable = (prefill_target(req) - 1) // self.cache.block_size
+            blocks = self.prefix_cache.match(self.block_keys(req)[:usable], num_tokens=prefill_target(req))
+            self.cache.adopt_blocks(req.req_pool_idx, blocks, len(blocks) * self.cache.block_size)
+            req.num_cached_tokens = req.num_prefix_hit_tokens = len(blocks) * self.cache.block_size
+
+    def block_keys(self, req: Request) -> list:
+        """Prefix-cache keys of the request's full blocks. Each key holds the token after its block
+        too (the draft's entry at a position depends on the next token), and images by content."""
+        spans = image_spans(req.mm_inputs) if req.mm_inputs is not None else ()
+        return block_keys(req.token_ids(0, req.num_tokens), self.cache.block_size, spans, lookahead=True)
+
+    def publish(self, req: Request) -> None:
+        """Shares the request's committed full blocks (target and draft entries written) with others."""
+        if self.prefix_cache is None or req.req_pool_idx is None:
+            return
+        committed = min(req.num_cached_tokens, req.num_tokens - 1) // self.cache.block_size
+        if committed > req.num_published_blocks:
+            blocks = self.cache.row_blocks[req.req_pool_idx][:committed]
+            self.prefix_cache.insert(self.block_keys(req)[:committed], blocks)
+            req.num_published_blocks = committed
 
     def _release(self, req: Request) -> None:
         if req.req_pool_idx is not None:
             self.cache.free_row(req.req_pool_idx)
             req.req_pool_idx = None
         req.num_cached_tokens = 0
+        req.num_published_blocks = 0
         req.draft_state = None
 
     def _preempt(self, req: Request) -> None:
