@@ -258,3 +258,38 @@ def test_prefix_cache_hits_give_identical_outputs_and_acceptance(models):
     assert hits[3] == 0  # the first block already holds a placeholder of the other image
     assert warm.engine.prefix_cache.hit_rate > 0
     assert warm.engine.num_free_blocks() == warm.engine.cache.allocator.num_usable
+
+
+def test_async_streams_with_early_disconnects(models, reference):
+    import asyncio
+
+    from eaglet.engine.async_engine import AsyncEngine
+
+    engine = make_llm(models, spec=True).engine
+    async_engine = AsyncEngine(engine)
+
+    async def consume(request, leave_after=None):
+        seen = []
+        async for out in async_engine.generate_stream(request, greedy(20)):
+            assert out.token_ids[: len(seen)] == seen  # outputs only grow
+            seen = out.token_ids
+            if leave_after is not None and len(seen) >= leave_after:
+                break  # the client goes away mid-stream
+        return seen
+
+    async def main():
+        reqs = workload() * 2
+        leave = [None, 3, None, 1, None, None, 2, None]
+        return await asyncio.gather(*(consume(r, n) for r, n in zip(reqs, leave)))
+
+    try:
+        results = asyncio.run(main())
+        for i, tokens in enumerate(results):
+            if i in (1, 3, 6):
+                assert len(tokens) < 20
+            else:
+                assert tokens == reference[i % 4]
+        free = async_engine.call(lambda e: (e.has_unfinished(), e.num_free_blocks())).result(timeout=60)
+        assert free == (False, engine.cache.allocator.num_usable)
+    finally:
+        async_engine.shutdown()

@@ -1,0 +1,133 @@
+"""Asynchronous front of the engine: many concurrent streams, one stepping thread.
+
+``Engine`` is single-threaded. ``AsyncEngine`` owns it from one background thread that steps
+while there is work; callers on an asyncio loop add requests and receive each request's outputs
+through its own queue. Leaving a stream early (client gone, task cancelled) aborts the request in
+the engine thread, which frees its cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from eaglet.engine.engine import Engine
+from eaglet.engine.request import RequestOutput
+from eaglet.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="eaglet-engine", daemon=True)
+        self._thread.start()
+
+    async def generate_stream(
+        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output each time it grows; the last one has ``finished`` set.
+
+        Invalid requests raise here (InvalidRequestError), before anything is queued.
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        added: asyncio.Future = loop.create_future()
+        self._commands.put(("add", (prompt, params, request_id, loop, outputs, added)))
+        request_id = await added
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn, *args):  # -> a concurrent.futures.Future of fn(engine, *args), run in the engine thread
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._commands.put(("call", (fn, args, future)))
+        return future
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.engine.has_unfinished()
+            try:
+                while True:
+                    self._handle(*self._commands.get(block=block))
+                    block = False
+            except queue.Empty:
+                pass
+            if self._stopped.is_set():
+                break
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a failed step must not take every stream down silently
+                    self._fail_all(exc)
+                    continue
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+
+    def _handle(self, command: str, payload: Any) -> None:
+        if command == "add":
+            prompt, params, request_id, loop, outputs, added = payload
+            try:
+                request_id = self.engine.add_request(prompt, params, request_id)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_set_exception, added, exc)
+                return
+            self._streams[request_id] = (loop, outputs)
+            loop.call_soon_threadsafe(_set_result, added, request_id)
+        elif command == "abort":
+            self.engine.abort(payload)
+            self._streams.pop(payload, None)
+        elif command == "call":
+            fn, args, future = payload
+            try:
+                future.set_result(fn(self.engine, *args))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, exc)
+            self.engine.abort(request_id)
+        self._streams.clear()
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
