@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from eaglet.engine.engine import Engine, EngineConfig
@@ -41,17 +42,34 @@ class LLM:
             sampling_params = [sampling_params] * len(requests)
         if len(sampling_params) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(sampling_params)} sampling params")
-        ids: list[str] = []
+        groups: list[list[str]] = []  # engine request ids of each prompt's n samples
         try:
             for request, params in zip(requests, sampling_params):
-                ids.append(self.engine.add_request(request, params))
+                groups.append([self.engine.add_request(request, p) for p in _samples(params)])
         except Exception:
-            for request_id in ids:
+            for request_id in (i for group in groups for i in group):
                 self.engine.abort(request_id)
             raise
         outputs: dict[str, RequestOutput] = {}
-        while len(outputs) < len(ids):
+        total = sum(len(g) for g in groups)
+        while len(outputs) < total:
             for out in self.engine.step():
                 if out.finished:
                     outputs[out.request_id] = out
-        return [outputs[i] for i in ids]
+        results = []
+        for group in groups:
+            first = outputs[group[0]]
+            if len(group) > 1:
+                first = dataclasses.replace(first, samples=[outputs[i] for i in group])
+            results.append(first)
+        return results
+
+
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 runs as n requests (sharing the prompt's cache through the prefix cache); sample j of
+    a seeded request uses seed + j, so each sample is reproducible and they differ."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)
+    ]

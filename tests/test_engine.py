@@ -293,3 +293,18 @@ def test_async_streams_with_early_disconnects(models, reference):
         assert free == (False, engine.cache.allocator.num_usable)
     finally:
         async_engine.shutdown()
+
+
+def test_n_samples_reproducible_and_distinct(models):
+    llm = make_llm(models, spec=True)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, n=3)
+    first = llm.generate(workload()[:2], params)
+    again = llm.generate(workload()[:2], params)
+    for a, b in zip(first, again):
+        assert len(a.samples) == 3
+        assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+        assert a.token_ids == a.samples[0].token_ids
+        assert len({tuple(s.token_ids) for s in a.samples}) > 1
+    # Seeded sampling does not depend on the batch: the same request alone gives the same samples.
+    alone = llm.generate([workload()[1]], params)[0]
+    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in first[1].samples]

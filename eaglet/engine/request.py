@@ -73,6 +73,7 @@ class RequestOutput:
     spec_accepted_tokens: int = 0  # accepted draft tokens (bonus tokens excluded)
     spec_accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + bonus
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    samples: list["RequestOutput"] = field(default_factory=list)  # all n completions when n > 1
 
     @property
     def finished(self) -> bool:
