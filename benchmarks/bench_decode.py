@@ -17,8 +17,9 @@ What it does, in one process:
 How prefill is excluded (the same way for both engines):
 
 * eaglet: the script drives ``llm.engine.step()`` itself (what ``LLM.generate`` loops over). The
-  first step admits and prefills every request and samples its first token; each following step
-  is one decode step producing one token per request. Decode time = sum of those steps.
+  steps until every request holds its first token (admission + prefill; one step here) are the
+  prefill; each following step is one decode step producing one token per request. Decode time =
+  sum of those steps.
 * transformers: a ``StoppingCriteria`` records ``time.perf_counter()`` each time it is called, i.e.
   once per generated token, after that token was chosen. The first call comes right after the
   prefill forward; decode time = last call - first call.
@@ -309,17 +310,28 @@ class ExpertCounter:
 
 
 def run_eaglet(llm, prompts: list[list[int]], new_tokens: int, counter: ExpertCounter | None = None) -> dict:
+    """Drives llm.engine.step() (what LLM.generate loops over) and times every step.
+
+    The prefill phase is every step until each request holds its first output token (one step
+    unless the scheduler chunks the prompts); the decode phase is every step after that, and its
+    tokens are counted as produced (batch * (new_tokens - 1) when all prefills finish together).
+    """
     from eaglet import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    reqs = [engine.requests[i] for i in ids]
     gc.collect()
     finished = []
     foreign = ForeignCPU().__enter__()
     t = time.perf_counter()
-    finished += engine.step()  # admit + prefill + first token
+    prefill_steps = 0
+    while engine.has_unfinished() and not all(r.output_token_ids for r in reqs):
+        finished += engine.step()  # admission + prefill (+ first token)
+        prefill_steps += 1
     prefill_s = time.perf_counter() - t
+    tokens_after_prefill = sum(len(r.output_token_ids) for r in reqs)
     if counter is not None:
         counter.decode = True
     steps: list[float] = []
@@ -333,14 +345,17 @@ def run_eaglet(llm, prompts: list[list[int]], new_tokens: int, counter: ExpertCo
     by_id = {o.request_id: o.token_ids for o in finished}
     tokens = [by_id[i] for i in ids]
     assert all(len(t) == new_tokens for t in tokens), "eaglet stopped early"
+    decode_tokens = len(prompts) * new_tokens - tokens_after_prefill
     decode_s = sum(steps)
     return {
         "prefill_s": prefill_s,
+        "prefill_steps": prefill_steps,
         "decode_s": decode_s,
         "decode_steps": len(steps),
+        "decode_tokens": decode_tokens,
         "step_ms_mean": 1e3 * decode_s / len(steps),
         "step_ms_median": 1e3 * statistics.median(steps),
-        "decode_tok_s": len(prompts) * len(steps) / decode_s,
+        "decode_tok_s": decode_tokens / decode_s,
         "foreign_cpu": foreign.fraction,
         "tokens": tokens,
     }

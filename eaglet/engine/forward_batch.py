@@ -66,6 +66,8 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = ()
     # [T, max(seq_lens)] bool: which row indices of its request each token sees (None: causal).
     custom_mask: torch.Tensor | None = None
+    # Per-forward memo of derived tensors (every layer asks for the same ones).
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -77,18 +79,23 @@ class ForwardBatch:
 
     def token_to_request(self) -> torch.Tensor:
         """[T]: the batch index of the request each flat-buffer token belongs to."""
-        return torch.repeat_interleave(
-            torch.arange(self.batch_size, device=self.input_ids.device), self.extend_seq_lens, output_size=self.num_tokens
-        )
+        if "token_to_request" not in self._memo:
+            self._memo["token_to_request"] = torch.repeat_interleave(
+                torch.arange(self.batch_size, device=self.input_ids.device), self.extend_seq_lens, output_size=self.num_tokens
+            )
+        return self._memo["token_to_request"]
 
     def attention_mask(self, num_keys: int) -> torch.Tensor:
         """[T, num_keys] bool over row indices: ``custom_mask`` if set, else causal per request."""
         if self.custom_mask is not None:
             return self.custom_mask[:, :num_keys]
-        token_req = self.token_to_request()
-        offsets = torch.arange(self.num_tokens, device=self.input_ids.device) - self.extend_start_loc[token_req]
-        query_index = self.extend_prefix_lens[token_req] + offsets
-        return torch.arange(num_keys, device=self.input_ids.device)[None, :] <= query_index[:, None]
+        key = ("attention_mask", num_keys)
+        if key not in self._memo:
+            token_req = self.token_to_request()
+            offsets = torch.arange(self.num_tokens, device=self.input_ids.device) - self.extend_start_loc[token_req]
+            query_index = self.extend_prefix_lens[token_req] + offsets
+            self._memo[key] = torch.arange(num_keys, device=self.input_ids.device)[None, :] <= query_index[:, None]
+        return self._memo[key]
 
     @staticmethod
     def last_token_indices(extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor) -> torch.Tensor:
