@@ -58,7 +58,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[fl
     while engine.has_unfinished():
         outputs += [o for o in engine.step() if o.finished]
     elapsed = time.perf_counter() - start
-    return len(prompts) * (new_tokens - 1) / elapsed, outputs
+    return len(prompts) * (new_tokens - 1) / elapsed, sorted(outputs, key=lambda o: int(o.request_id))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                   speculative_num_draft_tokens=n)
         for name, (s, k, n) in SETTINGS.items()
     }
+    warmup = [[1] * args.prompt_len]
+    for llm in [plain, *spec.values()]:  # first calls pay one-time library initialisation
+        decode_rate(llm, warmup, 8)
     rows = []
     gen = torch.Generator().manual_seed(1)
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
