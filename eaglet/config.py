@@ -92,17 +92,21 @@ class ModelConfig:
         return self.vision is not None
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+def read_config_json(model_dir: str | Path, kind: str = "Hugging Face model") -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+        raise ConfigError(f"{model_dir}: no config.json (expected a {kind} directory)")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level")
-    return parse_model_config(raw)
+    return raw
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    return parse_model_config(read_config_json(model_dir))
 
 
 def parse_model_config(raw: dict) -> ModelConfig:

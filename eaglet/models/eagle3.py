@@ -27,7 +27,6 @@ has none. ``t2d`` is derived from ``d2t`` when absent (ModelOpt exports only ``d
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eaglet.config import ModelConfig, TextConfig, parse_text_config
+from eaglet.config import ModelConfig, TextConfig, parse_text_config, read_config_json
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
 from eaglet.errors import CheckpointError, ConfigError
@@ -498,14 +497,7 @@ def load_eagle3_draft(
     The returned draft still needs ``share_target_weights`` when it lacks embed_tokens or lm_head.
     """
     path = Path(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(f"{path}: no config.json (expected an EAGLE-3 draft directory)")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{config_path}: not valid JSON ({exc})") from exc
-    config = Eagle3Config.from_hf(raw, target)
+    config = Eagle3Config.from_hf(read_config_json(path, "EAGLE-3 draft"), target)
     layout = _checkpoint_layout(set(checkpoint_files(path)), config)
     target_hidden = target.text.hidden_size
     if config.hidden_size != target_hidden:
