@@ -308,3 +308,19 @@ def test_n_samples_reproducible_and_distinct(models):
     # Seeded sampling does not depend on the batch: the same request alone gives the same samples.
     alone = llm.generate([workload()[1]], params)[0]
     assert [s.token_ids for s in alone.samples] == [s.token_ids for s in first[1].samples]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_prompt_logprobs_match_full_logits_and_survive_chunking(models, spec):
+    from runtime_utils import prompt_logits
+
+    llm = make_llm(models, spec, chunked_prefill_size=3, max_num_batched_tokens=8)
+    request = workload()[0]
+    out = llm.generate([request], SamplingParams(max_new_tokens=3, temperature=0.0, prompt_logprobs=2))[0]
+    prompt = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    expected = prompt_logits(make_llm(models, spec=False), [request])[0].log_softmax(-1)
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry.token_id == prompt[position]
+        assert abs(entry.logprob - expected[position - 1, prompt[position]].item()) < 1e-4
+        assert len(entry.top) == 2 and entry.top[0][0] == int(expected[position - 1].argmax())

@@ -366,6 +366,7 @@ class Engine:
             spec_accepted_tokens=req.spec_accepted_tokens,
             spec_accept_lengths=list(req.spec_accept_lengths),
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
         )
 
 

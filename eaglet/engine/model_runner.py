@@ -8,7 +8,7 @@ from torch import nn
 from eaglet.config import ModelConfig
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.kv_cache import KVCacheManager
-from eaglet.engine.request import Request
+from eaglet.engine.request import Request, record_prompt_logprobs
 from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.multimodal.embedding import merge_image_features
@@ -38,6 +38,11 @@ class ModelRunner:
         input_ids: list[int] = []
         out_cache_loc: list[torch.Tensor] = []
         prefix_lens: list[int] = []
+        # Prompt logprobs need the logits of every prompt position in the chunk.
+        wants_prompt = [
+            r.sampling_params.prompt_logprobs is not None and r.num_cached_tokens < len(r.prompt_token_ids)
+            for r in requests
+        ]
         for req, num_new in zip(requests, num_new_tokens):
             start = req.num_cached_tokens
             input_ids.extend(req.token_ids(start, start + num_new))
@@ -49,11 +54,16 @@ class ModelRunner:
             extend_prefix_lens=prefix_lens,
             extend_seq_lens=list(num_new_tokens),
             out_cache_loc=torch.cat(out_cache_loc),
-            logits_indices=torch.arange(len(input_ids)) if all_logits else None,
+            logits_indices=torch.arange(len(input_ids)) if all_logits or any(wants_prompt) else None,
             capture_layers=capture_layers,
         )
         batch.input_embeds = self.merged_embeddings(requests, batch)
         output = self.model(batch, self.backend)
+        if any(wants_prompt) and not all_logits:
+            for req, start, num, wants in zip(requests, batch.extend_start_loc.tolist(), num_new_tokens, wants_prompt):
+                if wants:
+                    record_prompt_logprobs(req, req.num_cached_tokens, output.logits[start : start + num])
+            output.logits = output.logits[ForwardBatch.last_token_indices(batch.extend_start_loc, batch.extend_seq_lens)]
         for req, num_new in zip(requests, num_new_tokens):
             req.num_cached_tokens += num_new
         return batch, output

@@ -44,6 +44,8 @@ class Request:
     num_published_blocks: int = 0  # leading full blocks already published to the prefix cache
     num_preemptions: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
+    # When params.prompt_logprobs is set: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     detokenizer: Any = None  # eaglet.engine.detokenizer.IncrementalDetokenizer, with a tokenizer
     stop_checker: Any = None  # eaglet.engine.detokenizer.StopStringChecker, with a tokenizer
     final_text: str | None = None  # the output text once finished
@@ -74,6 +76,7 @@ class RequestOutput:
     spec_accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + bonus
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     samples: list["RequestOutput"] = field(default_factory=list)  # all n completions when n > 1
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for; None for the first token
 
     @property
     def finished(self) -> bool:
@@ -94,3 +97,23 @@ def record_logprobs(requests: list[Request], raw_logits: torch.Tensor, tokens: t
         k = requests[i].sampling_params.logprobs
         for token, lp, ids, lps in zip(tokens[i][valid].tolist(), chosen_lp.tolist(), top_ids.tolist(), top_lps.tolist()):
             requests[i].output_logprobs.append(TokenLogprob(token, lp, list(zip(ids[:k], lps[:k]))))
+
+
+def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+    """Logprobs of prompt tokens start+1 .. from the logits at positions start .. of a prefill chunk.
+
+    Positions already recorded (a preempted request recomputing its prompt) are skipped.
+    """
+    prompt = req.prompt_token_ids
+    if not req.prompt_logprobs:
+        req.prompt_logprobs.append(None)
+    targets = list(range(start + 1, min(start + logits.shape[0], len(prompt) - 1) + 1))
+    targets = [t for t in targets if t >= len(req.prompt_logprobs)]
+    if not targets:
+        return
+    rows = torch.tensor(targets) - 1 - start
+    chosen = torch.tensor([prompt[t] for t in targets])
+    k = req.sampling_params.prompt_logprobs
+    chosen_lp, top_ids, top_lps = logprobs_of(logits[rows], chosen, k)
+    for token, lp, ids, lps in zip(chosen.tolist(), chosen_lp.tolist(), top_ids.tolist(), top_lps.tolist()):
+        req.prompt_logprobs.append(TokenLogprob(token, lp, list(zip(ids, lps))))
