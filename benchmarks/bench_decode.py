@@ -29,8 +29,9 @@ Decode tokens/s = batch * (new_tokens - 1) / decode time.
 The memory-bandwidth floor of one decode step is the bytes a step must read at least, divided by
 the measured read bandwidth: the embedding rows of the batch, every attention / dense / shared
 expert / router / norm weight, lm_head, for every MoE layer only the DISTINCT routed experts active
-in that step (counted from eaglet's router choices during an untimed warm-up run, by wrapping
-``eaglet.layers.moe.RoutedExperts.forward`` in this script only), plus the latent KV cache of every
+in that step (counted from eaglet's router choices during the first timed run: a wrapper around
+``eaglet.layers.moe.RoutedExperts.forward``, in this script only, keeps a copy of each call's
+expert ids and the distinct ones are counted afterwards), plus the latent KV cache of every
 request at the mean decode length. A compute floor (FLOPs / measured GEMM throughput) is printed
 beside it; the roofline floor is the larger of the two.
 
@@ -164,7 +165,22 @@ def machine_info() -> dict:
         "mkl": torch.backends.mkl.is_available(),
         "mkldnn": torch.backends.mkldnn.is_available(),
         "mem_total_gib": _mem_total_gib(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "eaglet_git": _git_describe(),
     }
+
+
+def _git_describe() -> str | None:
+    """HEAD commit of the eaglet tree, with '+dirty' when it has uncommitted changes."""
+    import subprocess
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "eaglet"], cwd=REPO, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return (head + ("+dirty" if dirty else "")) or None
+    return None
 
 
 def _mem_total_gib() -> float | None:
@@ -292,7 +308,10 @@ def make_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 class ExpertCounter:
-    """Wraps RoutedExperts.forward (in this process only) to count distinct experts per decode call."""
+    """Wraps RoutedExperts.forward (in this process only) to count distinct experts per decode call.
+
+    During a timed run it only keeps a copy of each call's expert ids (a few microseconds per layer);
+    the distinct counts are computed afterwards."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from eaglet.layers.moe import RoutedExperts
@@ -300,7 +319,7 @@ class ExpertCounter:
         self.cls = RoutedExperts
         self.layer_of = {id(m): name for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
         self.decode = False
-        self.per_layer: dict[str, list[int]] = {name: [] for name in self.layer_of.values()}
+        self.per_layer: dict[str, list[torch.Tensor]] = {name: [] for name in self.layer_of.values()}
         self._orig = None
 
     def __enter__(self) -> "ExpertCounter":
@@ -309,7 +328,7 @@ class ExpertCounter:
 
         def forward(module, x, weights, expert_ids):
             if counter.decode:
-                counter.per_layer[counter.layer_of[id(module)]].append(int(torch.unique(expert_ids).numel()))
+                counter.per_layer[counter.layer_of[id(module)]].append(expert_ids.clone())
             return orig(module, x, weights, expert_ids)
 
         self.cls.forward = forward
@@ -318,8 +337,13 @@ class ExpertCounter:
     def __exit__(self, *exc) -> None:
         self.cls.forward = self._orig
 
+    def reset(self) -> None:
+        for v in self.per_layer.values():
+            v.clear()
+
     def mean_distinct(self) -> dict[str, float]:
-        return {name: (statistics.fmean(v) if v else 0.0) for name, v in self.per_layer.items()}
+        return {name: (statistics.fmean(int(torch.unique(ids).numel()) for ids in v) if v else 0.0)
+                for name, v in self.per_layer.items()}
 
 
 def run_eaglet(llm, prompts: list[list[int]], new_tokens: int, counter: ExpertCounter | None = None) -> dict:
@@ -334,6 +358,8 @@ def run_eaglet(llm, prompts: list[list[int]], new_tokens: int, counter: ExpertCo
     engine = llm.engine
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    if counter is not None:
+        counter.reset()
     reqs = [engine.requests[i] for i in ids]
     gc.collect()
     finished = []
@@ -525,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64,
+                    help="tokens generated per request (default 64: 128 makes a default run ~17+ min here, "
+                    "bf16 batch 16 being ~4x slower than fp32 on an AVX2-only CPU)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
@@ -592,10 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{dname}] transformers loaded in {time.perf_counter() - t:.1f}s", flush=True)
             for batch in batch_sizes:
                 prompts = prompts_all[:batch]
-                # untimed warm-up: eaglet in full (it also records the router's choices), transformers short
-                with ExpertCounter(llm.engine.model) as counter:
-                    run_eaglet(llm, prompts, args.new_tokens, counter)
-                distinct = counter.mean_distinct()
+                # untimed warm-up of both engines (allocator, oneDNN/MKL kernels, first-call paths)
+                run_eaglet(llm, prompts, min(8, args.new_tokens))
                 if hf is not None:
                     run_transformers(hf, prompts, min(8, args.new_tokens))
                 e_runs, h_runs = [], []
@@ -618,8 +644,15 @@ def main(argv: list[str] | None = None) -> int:
                         discarded += 1
                         print(f"  (discarded a run: other processes used {_pct(run['foreign_cpu'])} of the CPUs)", flush=True)
 
+                counter = ExpertCounter(llm.engine.model)
                 for r in range(args.repeats):
-                    e_runs.append(measure(lambda: run_eaglet(llm, prompts, args.new_tokens)))
+                    if r == 0:  # the router's choices of the first timed run give the distinct experts
+                        with counter:
+                            e_runs.append(measure(lambda: run_eaglet(llm, prompts, args.new_tokens, counter)))
+                        distinct = counter.mean_distinct()
+                        counter.reset()
+                    else:
+                        e_runs.append(measure(lambda: run_eaglet(llm, prompts, args.new_tokens)))
                     msg = (f"[{dname} B={batch}] repeat {r + 1}: eaglet {e_runs[-1]['decode_tok_s']:.1f} tok/s"
                            f" (other processes {_pct(e_runs[-1]['foreign_cpu'])} CPU)")
                     if hf is not None:
