@@ -22,9 +22,12 @@ class LLM:
 
     def spec_metrics(self) -> dict | None:
         """Aggregate speculation statistics since start (None without speculation): accept length
-        (bonus token included), acceptance rate, per-position acceptance rate, counts."""
+        (bonus token included), acceptance rate, per-position acceptance rate, counts, and what the
+        adaptive policy chose (decode steps per draft depth, best depth per batch-size bucket)."""
         metrics = self.engine.spec_metrics
-        return metrics.as_dict() if metrics is not None else None
+        if metrics is None:
+            return None
+        return {**metrics.as_dict(), "policy": self.engine.spec_policy.as_dict()}
 
     def generate(
         self, requests: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None

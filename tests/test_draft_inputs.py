@@ -38,7 +38,7 @@ def llm(tmp_path_factory):
     return LLM(
         str(target), dtype="float32", show_progress=False, speculative_algorithm="EAGLE3",
         speculative_draft_model_path=str(draft), speculative_num_steps=3, speculative_eagle_topk=2,
-        speculative_num_draft_tokens=5,
+        speculative_num_draft_tokens=5, speculative_adaptive=False,
     )
 
 

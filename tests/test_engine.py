@@ -240,8 +240,9 @@ def test_prefix_cache_hits_give_identical_outputs_and_acceptance(models):
         {"prompt_token_ids": shared, "images": [make_image(40, 28, 9)]},  # same ids, other image
     ]
     params = greedy(16)
-    cold = make_llm(models, spec=True, enable_prefix_caching=False, block_size=4)
-    warm = make_llm(models, spec=True, block_size=4)
+    # A fixed draft shape, so accept lengths are comparable step by step.
+    cold = make_llm(models, spec=True, enable_prefix_caching=False, block_size=4, speculative_adaptive=False)
+    warm = make_llm(models, spec=True, block_size=4, speculative_adaptive=False)
     expected = [cold.generate([r], params)[0] for r in requests]
     got, hits = [], []
     for r in requests:  # one after the other, so each can hit what the earlier ones published

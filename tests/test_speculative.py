@@ -20,7 +20,7 @@ def spec_llm(target, draft, steps, topk, tokens, **kwargs) -> LLM:
         speculative_num_steps=steps,
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=tokens,
-        **kwargs,
+        **{"speculative_adaptive": False, **kwargs},
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from eaglet.sampling_params import SamplingParams
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.eagle_worker import EagleWorker
 from eaglet.spec.metrics import SpecMetrics
+from eaglet.spec.policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,9 @@ class EngineConfig:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
+    # Per decode step, draft less deeply or not at all where measured costs say the configured
+    # shape would give fewer tokens/s than that (see eaglet/spec/policy.py).
+    speculative_adaptive: bool = True
 
 
 class Engine:
@@ -96,6 +101,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.model_config, self.cache, TorchNativeMLABackend(self.cache))
         self.spec_worker: EagleWorker | None = None
         self.spec_metrics: SpecMetrics | None = None
+        self.spec_policy: SpeculationPolicy | None = None
         if self.spec_config is not None:
             draft, draft_config = load_eagle3_draft(
                 self.spec_config.draft_model_path, self.model_config, dtype, show_progress=config.show_progress
@@ -104,7 +110,8 @@ class Engine:
             self.spec_worker = EagleWorker(
                 self.runner, draft, draft_config, self.spec_config, self.cache, frozenset(self.eos_token_ids)
             )
-            self.spec_metrics = SpecMetrics(self.spec_config.num_steps, self.spec_config.num_draft_tokens - 1)
+            self.spec_metrics = SpecMetrics(self.spec_config.num_steps)
+            self.spec_policy = SpeculationPolicy(self.spec_config, adaptive=config.speculative_adaptive)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
             self.cache,
@@ -254,17 +261,33 @@ class Engine:
 
     def _run_decode(self, requests: list[Request]) -> list[Request]:
         if self.spec_worker is not None:
-            result = self.spec_worker.decode(requests)
-            self.spec_metrics.record(result.num_accepted)
-            for req, a in zip(requests, result.num_accepted):
-                req.spec_verify_ct += 1
-                req.spec_accepted_tokens += a
-                req.spec_accept_lengths.append(a + 1)
-            self._append(requests, result.new_tokens)
+            self._run_speculative_decode(requests)
         else:
             _, output = self.runner.extend(requests, [1] * len(requests))
             self._append(requests, [[t] for t in self._sample(requests, output.logits).tolist()])
         return requests
+
+    def _run_speculative_decode(self, requests: list[Request]) -> None:
+        # A seeded sampled request keeps the configured shape: its random draws, hence its output,
+        # then do not depend on timing or on the other requests of the batch.
+        pinned = any(r.sampling_params.seed is not None and not r.sampling_params.greedy for r in requests)
+        level = self.spec_policy.choose(len(requests), pinned)
+        start = time.perf_counter()
+        if level == 0:
+            tokens = self.spec_worker.plain_decode(requests, lambda logits: self._sample(requests, logits))
+            self.spec_policy.record(len(requests), level, time.perf_counter() - start)
+            self.spec_metrics.num_plain_decode_steps += 1
+            self._append(requests, [[t] for t in tokens.tolist()])
+            return
+        num_draft_tokens = self.spec_policy.draft_tokens(level)
+        result = self.spec_worker.decode(requests, level, num_draft_tokens)
+        self.spec_policy.record(len(requests), level, time.perf_counter() - start, result.num_accepted)
+        self.spec_metrics.record(result.num_accepted, num_draft_tokens - 1)
+        for req, a in zip(requests, result.num_accepted):
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += a
+            req.spec_accept_lengths.append(a + 1)
+        self._append(requests, result.new_tokens)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, rows: list[bool] | None = None) -> torch.Tensor:
         """Next tokens for the rows that need one (others get -1 and draw no random numbers).

@@ -40,6 +40,9 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     draft_state: Any = None  # eaglet.spec.eagle_worker.DraftState after a draft extend
+    # Target features of the last cached positions decoded while speculation was off; the draft's
+    # cache entries there are written (EagleWorker.catch_up) when speculation resumes.
+    draft_pending_features: list[torch.Tensor] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
     num_published_blocks: int = 0  # leading full blocks already published to the prefix cache
     num_preemptions: int = 0

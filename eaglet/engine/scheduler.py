@@ -158,7 +158,8 @@ class Scheduler:
         """Shares the request's committed full blocks (target and draft entries written) with others."""
         if self.prefix_cache is None or req.req_pool_idx is None:
             return
-        committed = min(req.num_cached_tokens, req.num_tokens - 1) // self.cache.block_size
+        draft_written = req.num_cached_tokens - len(req.draft_pending_features)
+        committed = min(draft_written, req.num_tokens - 1) // self.cache.block_size
         if committed > req.num_published_blocks:
             blocks = self.cache.row_blocks[req.req_pool_idx][:committed]
             self.prefix_cache.insert(self.block_keys(req)[:committed], blocks)
@@ -171,6 +172,7 @@ class Scheduler:
         req.num_cached_tokens = 0
         req.num_published_blocks = 0
         req.draft_state = None
+        req.draft_pending_features.clear()
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -143,18 +143,65 @@ class EagleWorker:
         for i, req in enumerate(requests):
             req.draft_state = DraftState(tokens[i], top.values[i], out.hidden_out[i])
 
+    # ---- plain decoding while speculation is off ------------------------------------------------
+    @torch.inference_mode()
+    def plain_decode(self, requests: list[Request], sample: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One plain target token per request, capturing the features the draft will need to catch up
+        (``catch_up``) when speculation resumes. Returns the sampled tokens."""
+        _, output = self.runner.extend(requests, [1] * len(requests), capture_layers=self.capture_layers)
+        for req, feature in zip(requests, output.aux_hidden_states):
+            req.draft_pending_features.append(feature)
+        return sample(output.logits)
+
+    def catch_up(self, requests: list[Request]) -> None:
+        """Draft extend over the positions decoded without the draft (entry p: feature of p, id of
+        token p+1), so the draft cache and the next round's step-0 proposals are what they would
+        have been had every step been speculative."""
+        lagging = [r for r in requests if r.draft_pending_features]
+        if not lagging:
+            return
+        starts = [r.num_cached_tokens - len(r.draft_pending_features) for r in lagging]
+        lags = [len(r.draft_pending_features) for r in lagging]
+        ids = [t for r, start, lag in zip(lagging, starts, lags) for t in r.token_ids(start + 1, start + lag + 1)]
+        positions = torch.cat([torch.arange(start, start + lag) for start, lag in zip(starts, lags)])
+        slots = torch.cat(
+            [self.cache.req_to_token[r.req_pool_idx, start : start + lag] for r, start, lag in zip(lagging, starts, lags)]
+        )
+        batch = ForwardBatch.build(
+            input_ids=ids,
+            req_pool_indices=[r.req_pool_idx for r in lagging],
+            extend_prefix_lens=starts,
+            extend_seq_lens=lags,
+            out_cache_loc=slots,
+            positions=positions,
+            mode=ForwardMode.EXTEND,
+        )
+        features = torch.stack([f for r in lagging for f in r.draft_pending_features])
+        with self._phase("draft"):
+            out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
+        top = out.logits.log_softmax(dim=-1).topk(self.spec.eagle_topk, dim=-1)
+        tokens = self.draft.to_target_ids(top.indices)
+        for i, req in enumerate(lagging):
+            req.draft_state = DraftState(tokens[i], top.values[i], out.hidden_out[i])
+            req.draft_pending_features.clear()
+
     # ---- decode round --------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, requests: list[Request]) -> RoundResult:
+    def decode(self, requests: list[Request], num_steps: int | None = None, num_draft_tokens: int | None = None) -> RoundResult:
+        """One speculative round; ``num_steps`` / ``num_draft_tokens`` (default: the configured
+        shape) may be smaller than configured, as the adaptive policy asks."""
         spec = self.spec
+        num_steps = num_steps or spec.num_steps
+        num_draft_tokens = num_draft_tokens or spec.num_draft_tokens
         start = time.perf_counter()
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify"))
+        self.catch_up(requests)
         rows = torch.tensor([r.req_pool_idx for r in requests])
         prefix = torch.tensor([r.num_cached_tokens for r in requests])
         for req in requests:
             self.cache.grow(req.req_pool_idx, req.num_cached_tokens + spec.scratch_len)
         roots = torch.tensor([r.output_token_ids[-1] for r in requests])
-        tree = self._draft_tree(requests, rows, prefix, roots)
+        tree = self._draft_tree(requests, rows, prefix, roots, num_steps, num_draft_tokens)
         result, raw_logits, features = self._verify(requests, rows, prefix, tree)
         round_result = self._commit(requests, rows, prefix, tree, result, raw_logits, features)
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
@@ -163,9 +210,15 @@ class EagleWorker:
         return round_result
 
     def _draft_tree(
-        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, roots: torch.Tensor
+        self,
+        requests: list[Request],
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        roots: torch.Tensor,
+        steps: int,
+        num_draft_tokens: int,
     ) -> DraftTree:
-        k, steps = self.spec.eagle_topk, self.spec.num_steps
+        k = self.spec.eagle_topk
         batch_size = len(requests)
         recorder = CandidateRecorder()
         frontier_tokens = torch.stack([r.draft_state.topk_tokens for r in requests])  # [B, k]
@@ -202,7 +255,7 @@ class EagleWorker:
                 1, parent_rank[:, :, None].expand(-1, -1, out.hidden_out.shape[-1])
             )
             ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
-        return recorder.build_tree(roots, self.spec.num_draft_tokens)
+        return recorder.build_tree(roots, num_draft_tokens)
 
     def _draft_step_batch(
         self,
@@ -253,7 +306,7 @@ class EagleWorker:
             custom_mask=tree_attention_mask(tree, prefix, num_keys),
         )
         with self._phase("verify"):
-                output = self.runner.model(batch, self.runner.backend)
+            output = self.runner.model(batch, self.runner.backend)
         raw_logits = output.logits.view(batch_size, n, -1)
         logits = self._process_tree_logits(requests, tree, raw_logits)
         params = [r.sampling_params for r in requests]

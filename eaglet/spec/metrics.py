@@ -12,25 +12,24 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecMetrics:
-    num_steps: int  # draft depth, the number of positions tracked
-    drafts_per_verify: int  # proposed draft tokens per verify step (num_draft_tokens - 1)
+    num_steps: int  # the configured draft depth, the number of positions tracked
     num_verify_steps: int = 0
+    num_draft_tokens: int = 0  # proposed draft tokens (the root excluded)
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_plain_decode_steps: int = 0  # decode steps the adaptive policy ran without speculation
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.num_steps
 
-    def record(self, num_accepted: list[int]) -> None:
+    def record(self, num_accepted: list[int], drafts_per_verify: int) -> None:
+        """Books one verify step per request; ``drafts_per_verify`` = verified tokens - 1 (the root)."""
         self.num_verify_steps += len(num_accepted)
+        self.num_draft_tokens += len(num_accepted) * drafts_per_verify
         self.num_accepted_tokens += sum(num_accepted)
         for a in num_accepted:
             for position in range(min(a, self.num_steps)):
                 self.accepted_per_position[position] += 1
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.num_verify_steps * self.drafts_per_verify
 
     @property
     def accept_length(self) -> float:
@@ -52,6 +51,7 @@ class SpecMetrics:
             "accept_length": self.accept_length,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
+            "num_plain_decode_steps": self.num_plain_decode_steps,
         }
 
 

@@ -1,0 +1,125 @@
+"""Adaptive speculation: per decode step, pick the draft depth (or none) that should give the most
+tokens per second at the current batch size, from costs and acceptance measured while serving.
+
+A *level* is a draft depth: 0 decodes one plain token per request; level s drafts s steps and
+verifies ``draft_tokens(s)`` tokens (the configured shape at s = num_steps). Costs are kept per
+batch-size bucket (powers of two) and level, as an exponential moving average of the measured
+wall time of a decode step. Acceptance is kept per depth: ``rate[j]`` is the fraction of rounds
+that drafted at least j steps and accepted at least j tokens, so the expected tokens of a round at
+level s are ``1 + sum(rate[1..s])`` (shallower rounds are the truncations of deeper ones).
+
+Each bucket first tries every level once, then uses the best estimate, and every
+``probe_interval`` steps re-measures a neighbour of the best level so that a change in load or in
+acceptance is noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from eaglet.spec.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Bucket:
+    cost: dict[int, float] = field(default_factory=dict)  # level -> EMA seconds per decode step
+    decisions: int = 0
+    best: int | None = None
+
+
+class SpeculationPolicy:
+    def __init__(
+        self, spec: SpeculativeConfig, adaptive: bool = True, cost_smoothing: float = 0.3, probe_interval: int = 32
+    ) -> None:
+        self.spec = spec
+        self.adaptive = adaptive
+        self.cost_smoothing = cost_smoothing
+        self.probe_interval = probe_interval
+        self.max_level = spec.num_steps
+        self.buckets: dict[int, _Bucket] = {}
+        # Rounds that drafted at least j steps, and those that accepted at least j tokens (index j-1).
+        self.depth_rounds = [0.0] * self.max_level
+        self.depth_accepts = [0.0] * self.max_level
+        self.steps_per_level = [0] * (self.max_level + 1)
+
+    def draft_tokens(self, level: int) -> int:
+        """Verified tokens (root included) of a round at this level: the configured tree size scaled
+        down with the depth, never more candidates than ``level`` steps of top-k drafting produce."""
+        if level == self.max_level:
+            return self.spec.num_draft_tokens
+        k = self.spec.eagle_topk
+        candidates = k + (level - 1) * k * k
+        return min(self.spec.num_draft_tokens, 1 + level * k, 1 + candidates)
+
+    def choose(self, batch_size: int, pinned: bool = False) -> int:
+        """The level of the next decode step; ``pinned`` (or a non-adaptive policy) keeps the
+        configured shape, e.g. while a seeded sampled request runs, so its output stays reproducible."""
+        if pinned or not self.adaptive:
+            return self.max_level
+        bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket())
+        bucket.decisions += 1
+        untried = [level for level in self._levels_in_trial_order() if level not in bucket.cost]
+        if untried:
+            return untried[0]
+        best = max(bucket.cost, key=lambda level: self.tokens_per_second(bucket, level))
+        if best != bucket.best:
+            if bucket.best is not None:
+                logger.info(
+                    "speculation at batch <= %d: draft depth %s -> %s", _bucket_of(batch_size),
+                    _level_name(bucket.best), _level_name(best),
+                )
+            bucket.best = best
+        if bucket.decisions % self.probe_interval == 0:
+            neighbours = [level for level in (best - 1, best + 1) if 0 <= level <= self.max_level]
+            return neighbours[(bucket.decisions // self.probe_interval) % len(neighbours)]
+        return best
+
+    def record(self, batch_size: int, level: int, seconds: float, num_accepted: list[int] | None = None) -> None:
+        """Books one decode step: its wall time and, for a speculative round, the accepted drafts."""
+        self.steps_per_level[level] += 1
+        if num_accepted is not None:
+            for a in num_accepted:
+                for depth in range(level):
+                    self.depth_rounds[depth] += 1
+                    self.depth_accepts[depth] += a > depth
+        if not self.adaptive:
+            return
+        bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket())
+        previous = bucket.cost.get(level)
+        bucket.cost[level] = seconds if previous is None else previous + self.cost_smoothing * (seconds - previous)
+
+    def expected_tokens(self, level: int) -> float:
+        """Expected tokens per request of one step at this level (1 for plain decoding)."""
+        total = 1.0
+        for depth in range(level):
+            if self.depth_rounds[depth] == 0:
+                total += 1.0  # optimistic until measured, so the level gets tried
+            else:
+                total += self.depth_accepts[depth] / self.depth_rounds[depth]
+        return total
+
+    def tokens_per_second(self, bucket: _Bucket, level: int) -> float:
+        return self.expected_tokens(level) / max(bucket.cost[level], 1e-9)
+
+    def _levels_in_trial_order(self) -> list[int]:
+        return [self.max_level, 0, *range(self.max_level - 1, 0, -1)]
+
+    def as_dict(self) -> dict:
+        return {
+            "adaptive": self.adaptive,
+            "decode_steps_per_draft_depth": list(self.steps_per_level),
+            "best_draft_depth_per_batch_bucket": {
+                size: bucket.best for size, bucket in sorted(self.buckets.items()) if bucket.best is not None
+            },
+        }
+
+
+def _bucket_of(batch_size: int) -> int:
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+def _level_name(level: int) -> str:
+    return "off" if level == 0 else str(level)

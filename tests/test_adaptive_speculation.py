@@ -1,0 +1,188 @@
+"""Adaptive speculation: the policy's choices from measured costs, and exactness of the engine
+when it switches between plain steps, shallower drafts and the configured shape."""
+
+import itertools
+
+import pytest
+import torch
+from runtime_utils import greedy, make_image
+from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
+
+from eaglet import LLM, SamplingParams
+from eaglet.engine.engine import Engine
+from eaglet.spec.config import SpeculativeConfig
+from eaglet.spec.policy import SpeculationPolicy
+
+# ---- the policy ------------------------------------------------------------------------------
+
+
+def chain_policy(**kwargs) -> SpeculationPolicy:
+    return SpeculationPolicy(SpeculativeConfig("draft", num_steps=3, eagle_topk=1, num_draft_tokens=4), **kwargs)
+
+
+def run_policy(policy: SpeculationPolicy, batch_size: int, cost, accepted, steps: int = 200) -> list[int]:
+    """Drives the policy with a cost model cost(level) in seconds and accepted(level) drafts per request."""
+    chosen = []
+    for _ in range(steps):
+        level = policy.choose(batch_size)
+        chosen.append(level)
+        num_accepted = None if level == 0 else [accepted(level)] * batch_size
+        policy.record(batch_size, level, cost(level), num_accepted)
+    return chosen
+
+
+def test_policy_keeps_speculating_when_it_pays():
+    policy = chain_policy()
+    chosen = run_policy(policy, 1, cost=lambda level: 0.010 + 0.002 * level, accepted=lambda level: level)
+    assert chosen[:4] == [3, 0, 2, 1]  # every level is measured once first
+    tail = chosen[50:]
+    assert tail.count(3) > 0.9 * len(tail)
+    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {1: 3}
+
+
+def test_policy_turns_speculation_off_when_a_round_costs_more_than_it_accepts():
+    policy = chain_policy()
+    # A verify round costs 4x a plain step but accepts only one draft token in three.
+    chosen = run_policy(policy, 16, cost=lambda level: 0.010 * (1 if level == 0 else 4), accepted=lambda level: 0)
+    tail = chosen[50:]
+    assert tail.count(0) > 0.9 * len(tail)
+    assert policy.expected_tokens(3) == pytest.approx(1.0)
+
+
+def test_policy_lowers_the_draft_depth_when_deep_drafts_are_rejected():
+    policy = chain_policy()
+    # Only the first draft position is ever accepted; each draft step costs time.
+    chosen = run_policy(policy, 4, cost=lambda level: 0.010 + 0.004 * level, accepted=lambda level: min(level, 1))
+    tail = chosen[50:]
+    assert max(set(tail), key=tail.count) == 1
+    assert policy.expected_tokens(1) == pytest.approx(2.0)
+    assert policy.expected_tokens(3) == pytest.approx(2.0)
+
+
+def test_policy_probes_a_neighbour_periodically_and_keeps_buckets_apart():
+    policy = chain_policy(probe_interval=8)
+    chosen = run_policy(policy, 2, cost=lambda level: 0.010 + 0.002 * level, accepted=lambda level: level, steps=64)
+    assert chosen[4:].count(2) >= 3  # the neighbour of the best level is re-measured now and then
+    run_policy(policy, 64, cost=lambda level: 0.010 * (1 if level == 0 else 6), accepted=lambda level: 0)
+    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {2: 3, 64: 0}
+
+
+def test_pinned_or_fixed_policy_keeps_the_configured_shape():
+    policy = chain_policy()
+    assert all(policy.choose(8, pinned=True) == 3 for _ in range(10))
+    fixed = chain_policy(adaptive=False)
+    assert all(fixed.choose(8) == 3 for _ in range(10))
+
+
+def test_draft_tokens_per_level_scale_the_tree_with_the_depth():
+    tree = SpeculationPolicy(SpeculativeConfig("draft", num_steps=5, eagle_topk=4, num_draft_tokens=16))
+    assert [tree.draft_tokens(level) for level in range(1, 6)] == [5, 9, 13, 16, 16]
+    assert [chain_policy().draft_tokens(level) for level in range(1, 4)] == [2, 3, 4]
+
+
+# ---- the engine switching levels ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = echo_kimi_target(tmp_path_factory.mktemp("target"), alpha=1.0)
+    draft = echo_draft(target, tmp_path_factory.mktemp("draft"), kind="mla", seed=3)
+    return target, draft
+
+
+def spec_llm(models, **kwargs) -> LLM:
+    target, draft = models
+    return LLM(
+        str(target), dtype="float32", show_progress=False, speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=str(draft), speculative_num_steps=3, speculative_eagle_topk=2,
+        speculative_num_draft_tokens=5, block_size=4, **kwargs,
+    )
+
+
+def prompts():
+    return [
+        {"prompt_token_ids": [3, 4, IMAGE_TOKEN, 9, 10, 11], "images": [make_image(40, 28, 0)]},
+        {"prompt_token_ids": list(range(20, 45))},
+        {"prompt_token_ids": [7, 8, 9]},
+    ]
+
+
+def force_levels(engine: Engine, levels) -> None:
+    """Replaces the policy's decisions by a fixed sequence (its bookkeeping still runs)."""
+    sequence = itertools.cycle(levels)
+    engine.spec_policy.choose = lambda batch_size, pinned=False: next(sequence)
+
+
+def run_until(engine: Engine, arrivals: dict[int, list[dict]], num_output: int) -> dict[str, list[torch.Tensor]]:
+    """Steps the engine, adding arrivals[step] at that step, until every request has num_output
+    tokens; returns per request the draft cache entries of its positions whose draft entry is written."""
+    ids = []
+    for step in itertools.count():
+        for prompt in arrivals.get(step, []):
+            ids.append(engine.add_request(prompt, greedy(200)))
+        engine.step()
+        if len(ids) == sum(len(v) for v in arrivals.values()) and all(
+            len(engine.requests[i].output_token_ids) >= num_output for i in ids
+        ):
+            break
+    pool = engine.spec_worker.pool.kv
+    entries = {}
+    for i in ids:
+        req = engine.requests[i]
+        written = req.num_cached_tokens - len(req.draft_pending_features)
+        slots = engine.cache.req_to_token[req.req_pool_idx, :written]
+        entries[i] = (list(req.output_token_ids), pool[:, slots].clone())
+    for i in ids:
+        engine.abort(i)
+    return entries
+
+
+def test_switching_levels_gives_plain_output_and_the_all_speculative_draft_cache(models):
+    plain = LLM(str(models[0]), dtype="float32", show_progress=False)
+    expected = [o.token_ids for o in plain.generate(prompts(), greedy(24))]
+    fixed = spec_llm(models, speculative_adaptive=False)
+    switching = spec_llm(models)
+    force_levels(switching.engine, [0, 0, 2, 0, 3, 1, 0, 0, 0, 3])
+    for llm in (fixed, switching):
+        outputs = llm.generate(prompts(), greedy(24))
+        assert [o.token_ids for o in outputs] == expected
+        assert llm.engine.num_free_blocks() == llm.engine.cache.allocator.num_usable
+    metrics = switching.spec_metrics()
+    assert metrics["num_plain_decode_steps"] > 0 and metrics["num_verify_steps"] > 0
+
+    # Staggered arrivals give the requests different lags when speculation resumes.
+    arrivals = {0: prompts()[:2], 3: prompts()[2:]}
+    reference = run_until(fixed.engine, arrivals, 20)
+    got = run_until(switching.engine, arrivals, 20)
+    for (ref_tokens, ref_cache), (tokens, cache) in zip(reference.values(), got.values()):
+        n = min(len(ref_tokens), len(tokens))
+        assert ref_tokens[:n] == tokens[:n]
+        written = min(ref_cache.shape[1], cache.shape[1])
+        assert written > 20
+        torch.testing.assert_close(cache[:, :written], ref_cache[:, :written], atol=1e-4, rtol=1e-4)
+    assert switching.engine.num_free_blocks() == switching.engine.cache.allocator.num_usable
+
+
+def test_blocks_whose_draft_entries_are_pending_are_not_shared(models):
+    llm = spec_llm(models)
+    engine = llm.engine
+    force_levels(engine, [0])
+    request_id = engine.add_request({"prompt_token_ids": list(range(20, 31))}, greedy(40))
+    req = engine.requests[request_id]
+    engine.step()  # the prefill
+    for _ in range(12):
+        engine.step()
+        assert len(req.draft_pending_features) > 0
+        published = req.num_published_blocks * engine.cache.block_size
+        assert published <= req.num_cached_tokens - len(req.draft_pending_features)
+    engine.abort(request_id)
+    assert engine.num_free_blocks() == engine.cache.allocator.num_usable
+
+
+def test_seeded_sampling_pins_the_configured_shape(models):
+    llm = spec_llm(models)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, seed=7 + i) for i in range(3)]
+    first = [o.token_ids for o in llm.generate(prompts(), params)]
+    assert llm.engine.spec_policy.steps_per_level[:3] == [0, 0, 0]
+    again = [o.token_ids for o in llm.generate(prompts(), params)]
+    assert first == again
