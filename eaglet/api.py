@@ -7,6 +7,7 @@ from typing import Any
 
 from eaglet.engine.engine import Engine, EngineConfig
 from eaglet.engine.request import RequestOutput
+from eaglet.errors import RequestFailedError
 from eaglet.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -59,6 +60,9 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     outputs[out.request_id] = out
+        failed = [out for out in outputs.values() if out.finish_reason == "error"]
+        if failed:
+            raise RequestFailedError(f"{len(failed)} request(s) failed; the first: {failed[0].error}")
         results = []
         for group in groups:
             first = outputs[group[0]]

@@ -19,3 +19,7 @@ class InvalidRequestError(EagletError, ValueError):
 
 class ImageError(InvalidRequestError):
     """An image that cannot be decoded or processed."""
+
+
+class RequestFailedError(EagletError, RuntimeError):
+    """A request was stopped because the engine step serving it raised; other requests go on."""

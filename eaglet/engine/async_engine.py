@@ -11,17 +11,20 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from eaglet.engine.engine import Engine
 from eaglet.engine.request import RequestOutput
+from eaglet.errors import RequestFailedError
 from eaglet.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
+        """``on_step(engine, outputs)`` runs in the engine thread after every step (stats logging)."""
         self.engine = engine
+        self._on_step = on_step
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -33,7 +36,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's output each time it grows; the last one has ``finished`` set.
 
-        Invalid requests raise here (InvalidRequestError), before anything is queued.
+        Invalid requests raise here (InvalidRequestError), before anything is queued; a request
+        whose engine step failed raises RequestFailedError (the engine goes on serving others).
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -47,6 +51,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
+                if out.finish_reason == "error":
+                    raise RequestFailedError(out.error)
                 yield out
         finally:
             if not finished:
@@ -89,6 +95,8 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
+                if self._on_step is not None:
+                    self._on_step(self.engine, outputs)
 
     def _handle(self, command: str, payload: Any) -> None:
         if command == "add":

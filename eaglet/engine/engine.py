@@ -237,13 +237,30 @@ class Engine:
         """
         plan = self.scheduler.schedule()
         touched: list[Request] = []
-        if plan.prefill:
-            touched += self._run_prefill(plan.prefill, plan.prefill_lens)
-        if plan.decode:
-            touched += self._run_decode(plan.decode)
+        for phase, requests, run in (
+            ("prefill", plan.prefill, lambda: self._run_prefill(plan.prefill, plan.prefill_lens)),
+            ("decode", plan.decode, lambda: self._run_decode(plan.decode)),
+        ):
+            if not requests:
+                continue
+            try:
+                touched += run()
+            except Exception as exc:  # contained to the requests of the phase that raised
+                touched += self._fail(phase, requests, exc)
         for req in plan.prefill + plan.decode:
-            self.scheduler.publish(req)
+            if req.request_id in self.requests:
+                self.scheduler.publish(req)
         return [self.output_of(r) for r in touched]
+
+    def _fail(self, phase: str, requests: list[Request], exc: Exception) -> list[Request]:
+        """Ends the requests of a prefill or decode phase that raised (finish_reason "error", cache
+        freed, nothing of theirs published); the other phase, waiting requests and later steps go on."""
+        logger.exception("%s of %d request(s) failed; stopping them", phase, len(requests))
+        failed = [r for r in requests if r.request_id in self.requests]
+        for req in failed:
+            req.error = f"{type(exc).__name__}: {exc}"
+            self._finish(req, "error")
+        return failed
 
     def _run_prefill(self, requests: list[Request], num_new: list[int]) -> list[Request]:
         """Prefill chunks; a request whose fresh prompt completes gets its first token sampled."""
@@ -347,7 +364,7 @@ class Engine:
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
-        if reason != "abort":
+        if reason not in ("abort", "error"):
             self.scheduler.publish(req)
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
@@ -390,6 +407,7 @@ class Engine:
             spec_accept_lengths=list(req.spec_accept_lengths),
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
+            error=req.error,
         )
 
 

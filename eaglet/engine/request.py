@@ -38,6 +38,7 @@ class Request:
     req_pool_idx: int | None = None
     num_cached_tokens: int = 0  # tokens whose latents are in the KV cache
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed, with finish_reason "error"
     generator: torch.Generator | None = None
     draft_state: Any = None  # eaglet.spec.eagle_worker.DraftState after a draft extend
     # Target features of the last cached positions decoded while speculation was off; the draft's
@@ -73,13 +74,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_new_tokens)
+    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_new_tokens), "abort", "error"
     spec_verify_ct: int = 0  # speculative verify steps
     spec_accepted_tokens: int = 0  # accepted draft tokens (bonus tokens excluded)
     spec_accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + bonus
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     samples: list["RequestOutput"] = field(default_factory=list)  # all n completions when n > 1
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for; None for the first token
+    error: str | None = None  # with finish_reason "error": the failure that stopped the request
 
     @property
     def finished(self) -> bool:
