@@ -109,27 +109,41 @@ def main(argv: list[str] | None = None) -> int:
     draft = echo_draft(target, workdir / "draft", kind="mla", seed=6)
     requests = workload(args.num_requests, args.rate, args.seed)
     common = dict(dtype="float32", show_progress=False, max_running_requests=32)
-    results = {}
-    for name, extra in [
-        ("plain", {}),
-        ("eagle3 chain (3,1,4)", dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
-                                     speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)),
-    ]:
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    modes = {
+        "plain": {},
+        "eagle3 (3,1,4) fixed": {**spec, "speculative_adaptive": False},
+        "eagle3 (3,1,4) adaptive": spec,
+    }
+    results, policies = {}, {}
+    for name, extra in modes.items():
         llm = LLM(str(target), **extra, **common)
         run(llm, workload(2, 100.0, 99))  # warm-up
         results[name] = run(llm, requests)
-    by_id = [sorted(r["outputs"].items(), key=lambda item: int(item[0])) for r in results.values()]
-    assert [t for _, t in by_id[0]] == [t for _, t in by_id[1]], "speculation changed an output"
+        if extra:
+            policies[name] = llm.spec_metrics()["policy"]
+    by_id = [[t for _, t in sorted(r["outputs"].items(), key=lambda item: int(item[0]))] for r in results.values()]
+    assert all(outputs == by_id[0] for outputs in by_id), "speculation changed an output"
     print(f"{args.num_requests} requests, Poisson {args.rate}/s, 1/3 with an image, greedy, echo alpha {args.alpha}")
-    print(f"{'mode':<22} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'accept':>7}")
+    print(f"{'mode':<24} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'accept':>7}")
     for name, r in results.items():
         accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
-        print(f"{name:<22} {r['throughput_tok_s']:>7.1f} {r['ttft_p50_ms']:>8.0f}ms {r['ttft_p99_ms']:>8.0f}ms "
+        print(f"{name:<24} {r['throughput_tok_s']:>7.1f} {r['ttft_p50_ms']:>8.0f}ms {r['ttft_p99_ms']:>8.0f}ms "
               f"{r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms {accept:>7}")
-    ratio = results["eagle3 chain (3,1,4)"]["throughput_tok_s"] / results["plain"]["throughput_tok_s"]
-    print(f"throughput ratio eagle3/plain: {ratio:.2f}")
+    plain = results["plain"]
+    ratios = {name: {"throughput": r["throughput_tok_s"] / plain["throughput_tok_s"],
+                     "itl_p50": r["itl_p50_ms"] / plain["itl_p50_ms"]}
+              for name, r in results.items() if name != "plain"}
+    for name, ratio in ratios.items():
+        print(f"{name} / plain: throughput {ratio['throughput']:.2f}x, ITL p50 {ratio['itl_p50']:.2f}x")
+    for name, policy in policies.items():
+        if policy["adaptive"]:
+            depths = policy["decode_steps_per_draft_depth"]
+            print(f"{name}: decode steps per draft depth (0 = off): {depths}; "
+                  f"chosen depth per batch bucket: {policy['best_draft_depth_per_batch_bucket']}")
     out = REPO / "benchmarks" / "results" / f"online-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": vars(args), "ratio": ratio,
+    out.write_text(json.dumps({"args": vars(args), "ratios": ratios, "policies": policies,
                                "results": {k: {m: v for m, v in r.items() if m != "outputs"} for k, r in results.items()}}, indent=2))
     print(f"wrote {out.relative_to(REPO)}")
     return 0

@@ -14,7 +14,9 @@ token, not yet cached):
    bonus), rewriting the draft's entries at n .. n+a, and yields the next round's step-0 top-k.
 
 Target and draft share the slot space, so a row index holds both models' entries for the same
-position. All tensor work is batched over requests; Python loops over requests only touch cache
+position. When the adaptive policy (``policy.py``) decodes plain steps instead, ``plain_decode``
+keeps the target's features of those positions and ``catch_up`` writes the draft's entries for
+them at the start of the next round. All tensor work is batched over requests; Python loops over requests only touch cache
 bookkeeping.
 """
 

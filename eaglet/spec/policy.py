@@ -3,19 +3,21 @@ tokens per second at the current batch size, from costs and acceptance measured 
 
 A *level* is a draft depth: 0 decodes one plain token per request; level s drafts s steps and
 verifies ``draft_tokens(s)`` tokens (the configured shape at s = num_steps). Costs are kept per
-batch-size bucket (powers of two) and level, as an exponential moving average of the measured
-wall time of a decode step. Acceptance is kept per depth: ``rate[j]`` is the fraction of rounds
+batch-size bucket (powers of two) and level, as the median of the last few measured wall times
+of a decode step (robust to a slow first step and to a busy machine's outliers). Acceptance is kept per depth: ``rate[j]`` is the fraction of rounds
 that drafted at least j steps and accepted at least j tokens, so the expected tokens of a round at
 level s are ``1 + sum(rate[1..s])`` (shallower rounds are the truncations of deeper ones).
 
-Each bucket first tries every level once, then uses the best estimate, and every
-``probe_interval`` steps re-measures a neighbour of the best level so that a change in load or in
-acceptance is noticed.
+Each bucket first measures every level ``min_samples`` times, then uses the best estimate, and
+every ``probe_interval`` steps re-measures one of the other levels (in turn) so that a bad early
+measurement, or a change in load or in acceptance, is noticed.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from eaglet.spec.config import SpeculativeConfig
@@ -25,19 +27,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Bucket:
-    cost: dict[int, float] = field(default_factory=dict)  # level -> EMA seconds per decode step
+    seconds: dict[int, deque[float]] = field(default_factory=dict)  # level -> last step times / batch size
     decisions: int = 0
+    probes: int = 0
     best: int | None = None
 
 
 class SpeculationPolicy:
     def __init__(
-        self, spec: SpeculativeConfig, adaptive: bool = True, cost_smoothing: float = 0.3, probe_interval: int = 32
+        self,
+        spec: SpeculativeConfig,
+        adaptive: bool = True,
+        window: int = 5,
+        probe_interval: int = 16,
+        min_samples: int = 2,
     ) -> None:
         self.spec = spec
         self.adaptive = adaptive
-        self.cost_smoothing = cost_smoothing
+        self.window = window
         self.probe_interval = probe_interval
+        self.min_samples = min_samples
         self.max_level = spec.num_steps
         self.buckets: dict[int, _Bucket] = {}
         # Rounds that drafted at least j steps, and those that accepted at least j tokens (index j-1).
@@ -61,10 +70,10 @@ class SpeculationPolicy:
             return self.max_level
         bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket())
         bucket.decisions += 1
-        untried = [level for level in self._levels_in_trial_order() if level not in bucket.cost]
+        untried = [level for level in self._levels_in_trial_order() if len(bucket.seconds.get(level, ())) < self.min_samples]
         if untried:
             return untried[0]
-        best = max(bucket.cost, key=lambda level: self.tokens_per_second(bucket, level))
+        best = max(bucket.seconds, key=lambda level: self.tokens_per_second(bucket, level))
         if best != bucket.best:
             if bucket.best is not None:
                 logger.info(
@@ -73,8 +82,9 @@ class SpeculationPolicy:
                 )
             bucket.best = best
         if bucket.decisions % self.probe_interval == 0:
-            neighbours = [level for level in (best - 1, best + 1) if 0 <= level <= self.max_level]
-            return neighbours[(bucket.decisions // self.probe_interval) % len(neighbours)]
+            others = [level for level in self._levels_in_trial_order() if level != best]
+            bucket.probes += 1
+            return others[bucket.probes % len(others)]
         return best
 
     def record(self, batch_size: int, level: int, seconds: float, num_accepted: list[int] | None = None) -> None:
@@ -88,8 +98,8 @@ class SpeculationPolicy:
         if not self.adaptive:
             return
         bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket())
-        previous = bucket.cost.get(level)
-        bucket.cost[level] = seconds if previous is None else previous + self.cost_smoothing * (seconds - previous)
+        # Per request, so steps of different batch sizes within a bucket compare.
+        bucket.seconds.setdefault(level, deque(maxlen=self.window)).append(seconds / batch_size)
 
     def expected_tokens(self, level: int) -> float:
         """Expected tokens per request of one step at this level (1 for plain decoding)."""
@@ -102,7 +112,7 @@ class SpeculationPolicy:
         return total
 
     def tokens_per_second(self, bucket: _Bucket, level: int) -> float:
-        return self.expected_tokens(level) / max(bucket.cost[level], 1e-9)
+        return self.expected_tokens(level) / max(statistics.median(bucket.seconds[level]), 1e-9)
 
     def _levels_in_trial_order(self) -> list[int]:
         return [self.max_level, 0, *range(self.max_level - 1, 0, -1)]
