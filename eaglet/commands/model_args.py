@@ -1,0 +1,151 @@
+"""Model and speculation flags shared by ``eaglet serve``, ``eaglet generate`` and ``eaglet chat``,
+spelled as in SGLang, and the engine they describe.
+
+Without ``--model-path`` the bundled demo model (a small Kimi-K2.5 target and its EAGLE-3 draft) is
+used, with speculation on unless ``--speculative-algorithm NONE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_log_level: str = "info") -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model-path", help="checkpoint directory (default: the bundled demo model)")
+    group.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    group.add_argument("--max-running-requests", type=positive_int, default=64)
+    group.add_argument("--context-length", type=positive_int, default=None,
+                       help="longest prompt + output (default: the model's max_position_embeddings)")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                       help="tokens per engine step (prefill chunks + decode tokens)")
+    group.add_argument("--kv-cache-memory-gb", type=positive_float, default=2.0)
+    group.add_argument("--disable-prefix-caching", action="store_true")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-algorithm", type=str.upper, choices=("EAGLE3", "NONE"), default=None,
+                      help="EAGLE3 needs --speculative-draft-model-path (default: EAGLE3 for the demo model, else off)")
+    spec.add_argument("--speculative-draft-model-path")
+    spec.add_argument("--speculative-num-steps", type=positive_int, default=3)
+    spec.add_argument("--speculative-eagle-topk", type=positive_int, default=1)
+    spec.add_argument("--speculative-num-draft-tokens", type=positive_int, default=4)
+    spec.add_argument("--disable-speculative-adaptive", action="store_true",
+                      help="always draft the configured shape (by default each decode step may draft less deeply, "
+                           "or not at all, where measured costs say that is faster)")
+    parser.add_argument("--log-level", default=default_log_level, choices=LOG_LEVELS)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=positive_int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):  # -> eaglet.sampling_params.SamplingParams
+    """SamplingParams of the sampling flags; a value out of range exits with the field named."""
+    from eaglet.errors import InvalidRequestError
+    from eaglet.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+        )
+    except InvalidRequestError as exc:
+        raise SystemExit(f"eaglet: {exc}") from exc
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments for the parsed flags.
+
+    Raises SystemExit with a message when the flags cannot describe an engine (no model and no
+    demo model, a draft without an algorithm, ...).
+    """
+    from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR, demo_model_available
+
+    model_path = args.model_path
+    algorithm = args.speculative_algorithm
+    draft_path = args.speculative_draft_model_path
+    if model_path is None:
+        if not demo_model_available():
+            raise SystemExit(
+                f"eaglet: no --model-path given and the bundled demo model is not installed (expected at "
+                f"{DEMO_TARGET_DIR}); pass --model-path /path/to/checkpoint"
+            )
+        model_path = str(DEMO_TARGET_DIR)
+        if algorithm is None:
+            algorithm = "EAGLE3"
+        if algorithm == "EAGLE3" and draft_path is None:
+            draft_path = str(DEMO_DRAFT_DIR)
+    if algorithm == "NONE":
+        if draft_path is not None:
+            raise SystemExit("eaglet: --speculative-draft-model-path given with --speculative-algorithm NONE")
+        algorithm = None
+    if algorithm == "EAGLE3" and draft_path is None:
+        raise SystemExit("eaglet: --speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
+    if algorithm is None and draft_path is not None:
+        raise SystemExit("eaglet: --speculative-draft-model-path needs --speculative-algorithm EAGLE3")
+    return dict(
+        model=model_path,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_prefix_caching=not args.disable_prefix_caching,
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft_path,
+        speculative_num_steps=args.speculative_num_steps,
+        speculative_eagle_topk=args.speculative_eagle_topk,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_adaptive=not args.disable_speculative_adaptive,
+    )
+
+
+def build_engine(args: argparse.Namespace, show_progress: bool = True):  # -> eaglet.engine.engine.Engine
+    """Loads the engine the flags describe; configuration and checkpoint problems exit with their message."""
+    kwargs = engine_config_kwargs(args)
+    from eaglet.engine.engine import Engine, EngineConfig
+    from eaglet.errors import EagletError
+
+    try:
+        return Engine(EngineConfig(show_progress=show_progress, **kwargs))
+    except (EagletError, ValueError) as exc:
+        raise SystemExit(f"eaglet: cannot load the model: {exc}") from exc
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value

@@ -1,0 +1,64 @@
+"""``eaglet serve``: the OpenAI-compatible HTTP server (chat and text completions, models,
+health, Prometheus metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from eaglet.commands.model_args import add_model_arguments, configure_logging, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=30000)
+    server.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder name)")
+    server.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 endpoints")
+    server.add_argument("--max-request-bytes", type=positive_int, default=32 * 2**20, help="largest request body")
+    server.add_argument("--max-n", type=positive_int, default=16, help="largest n (completions per request)")
+    server.add_argument("--max-images-per-request", type=positive_int, default=8)
+    server.add_argument("--max-image-pixels", type=positive_int, default=16_000_000, help="width * height of one image")
+    server.add_argument("--allow-remote-image-urls", action="store_true", help="fetch http(s) image URLs (refused by default)")
+    server.add_argument("--allow-local-image-files", action="store_true",
+                        help="read images from file:// URLs and absolute paths on the server (refused by default)")
+    server.add_argument("--log-interval-steps", type=positive_int, default=50,
+                        help="log a stats line every this many engine steps (at most every 5 s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"eaglet: --port must be in [0, 65535], got {args.port}")
+    from eaglet.commands.model_args import build_engine
+
+    engine = build_engine(args)
+
+    import uvicorn
+
+    from eaglet.server import ImageLimits, ServerConfig, build_app
+
+    config = ServerConfig(
+        model_name=args.served_model_name or Path(engine.config.model).name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        image_limits=ImageLimits(
+            max_images=args.max_images_per_request,
+            max_pixels=args.max_image_pixels,
+            allow_remote_urls=args.allow_remote_image_urls,
+            allow_local_files=args.allow_local_image_files,
+        ),
+    )
+    app, async_engine = build_app(engine, config, args.log_interval_steps)
+    logging.getLogger("eaglet.server").info(
+        "serving %s on http://%s:%d (speculation: %s)", config.model_name, args.host, args.port,
+        engine.config.speculative_algorithm or "off",
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()
+    return 0

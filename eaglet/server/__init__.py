@@ -1,0 +1,25 @@
+"""OpenAI-compatible HTTP server over the engine (``eaglet serve``)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from eaglet.engine.async_engine import AsyncEngine
+from eaglet.engine.engine import Engine
+from eaglet.server.app import ServerConfig, create_app
+from eaglet.server.images import ImageLimits
+from eaglet.server.stats_logger import StatsLogger
+
+__all__ = ["ImageLimits", "ServerConfig", "create_app", "start_engine"]
+
+
+def start_engine(engine: Engine, log_interval_steps: int = 50, log_min_interval_s: float = 5.0) -> AsyncEngine:
+    """The engine's stepping thread, logging a stats line every ``log_interval_steps`` steps
+    (and at most every ``log_min_interval_s`` seconds)."""
+    stats = StatsLogger(log_interval_steps, log_min_interval_s)
+    return AsyncEngine(engine, on_step=stats.on_step)
+
+
+def build_app(engine: Engine, config: ServerConfig, log_interval_steps: int = 50) -> tuple[FastAPI, AsyncEngine]:
+    async_engine = start_engine(engine, log_interval_steps)
+    return create_app(async_engine, config), async_engine
