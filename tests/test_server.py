@@ -325,6 +325,21 @@ def test_concurrent_streams_with_disconnects(spec_server) -> None:
     assert spec_server.engine.requests == {}
 
 
+def test_non_streaming_client_that_leaves_is_aborted(spec_server) -> None:
+    before = spec_server.metrics()
+    body = _body(messages=user("A long answer, please."), max_tokens=220, n=4, ignore_eos=True, temperature=0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{spec_server.base_url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.25))
+    aborted = ("eaglet:request_success_total", (("finished_reason", "abort"),))
+    deadline = time.monotonic() + 20
+    while spec_server.metrics().get(aborted, 0) - before.get(aborted, 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = spec_server.metrics()
+    assert after.get(aborted, 0) - before.get(aborted, 0) == 4
+    assert after[("eaglet:num_requests_running", ())] == 0
+    assert after[("eaglet:kv_cache_free_blocks", ())] == spec_server.initial_free_blocks
+
+
 def test_metrics_agree_with_responses(spec_server) -> None:
     before = spec_server.metrics()
     totals = {"verify_steps": 0, "accepted_tokens": 0}
@@ -389,7 +404,7 @@ BAD_REQUESTS = [
     ("empty-messages", "chat", _body(messages=[]), 400, "messages"),
     ("bad-role", "chat", _body(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
     ("content-wrong-type", "chat", _body(messages=[{"role": "user", "content": 42}]), 400, "content"),
-    ("unknown-part-type", "chat", _body(messages=[{"role": "user", "content": [{"type": "audio", "data": "x"}]}]), 400, "content"),
+    ("unknown-part-type", "chat", _body(messages=[{"role": "user", "content": [{"type": "audio"}]}]), 400, "content"),
     ("unknown-model", "chat", _body(model="gpt-17"), 404, "gpt-17"),
     ("missing-model", "chat", _body(model=_DROP), 400, "model"),
     ("temperature-string", "chat", _body(temperature="hot"), 400, "temperature"),

@@ -97,7 +97,8 @@ def generate(engine, prompt: Any, params, on_text: Callable[[str], None] | None 
 
 def stats_line(out, seconds: float) -> str:
     num_tokens = len(out.token_ids)
-    line = f"[eaglet] {num_tokens} tokens in {seconds:.2f} s ({num_tokens / max(seconds, 1e-9):.1f} tokens/s), finish: {out.finish_reason}"
+    speed = num_tokens / max(seconds, 1e-9)
+    line = f"[eaglet] {num_tokens} tokens in {seconds:.2f} s ({speed:.1f} tokens/s), finish: {out.finish_reason}"
     if out.spec_verify_ct:
         accept_length = (out.spec_accepted_tokens + out.spec_verify_ct) / out.spec_verify_ct
         line += (f"; accept length {accept_length:.2f} over {out.spec_verify_ct} verify steps "

@@ -46,7 +46,6 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
-    422: "UnprocessableEntityError",
     500: "InternalServerError",
 }
 
@@ -76,15 +75,10 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """The most specific problems first (the deepest location: for a union, the branch that got furthest)."""
-    errors = sorted(exc.errors(), key=lambda e: -len(e.get("loc", ())))
-    if not errors:
-        return "invalid request", None
-    described = []
-    for error in errors[:2]:
-        loc = ".".join(str(part) for part in error.get("loc", ()) if part not in ("body",))
-        described.append(f"{loc or 'body'}: {error.get('msg', 'invalid value')}")
-    first_loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
-    return "; ".join(described), ".".join(first_loc) or None
+    errors = sorted(exc.errors(), key=lambda e: -len(e["loc"]))
+    locations = [".".join(str(part) for part in error["loc"]) for error in errors]
+    described = [f"{loc or 'body'}: {error['msg']}" for loc, error in zip(locations[:2], errors)]
+    return "; ".join(described), locations[0] or None
 
 
 class _AbortingStreamingResponse(StreamingResponse):
@@ -98,13 +92,21 @@ class _AbortingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body was read already: the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     engine = async_engine.engine
     tokenizer = engine.tokenizer
     metrics = ServerMetrics(config.model_name)
     app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = metrics
-    app.state.async_engine = async_engine
     created = int(time.time())
     # Longest prompt + output one request may have: the context, and what the cache can hold at once.
     cache_tokens = engine.cache.allocator.num_usable * engine.cache.block_size - engine.spec_scratch
@@ -119,6 +121,10 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(InvalidRequestError)
     async def _invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(exc))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -251,7 +257,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     def usage_of(outputs: list[RequestOutput]) -> P.Usage:
         prompt_tokens = len(outputs[0].prompt_token_ids) if outputs else 0
         completion_tokens = sum(len(o.token_ids) for o in outputs)
-        return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        total = prompt_tokens + completion_tokens
+        return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total)
 
     async def start_streams(prompt: Any, params: SamplingParams, n: int, request_id: str) -> SampleStreams:
         streams = SampleStreams(async_engine, prompt, sample_params(params, n), request_id, metrics)
@@ -265,6 +272,20 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if urls and engine.image_processor is None:
             raise APIError(400, "this model has no vision tower; image_url content parts are not accepted", "messages")
         return await asyncio.to_thread(lambda: [load_image(load_request_image(url, limits)) for url in urls])
+
+    async def final_outputs_unless_disconnected(request: Request, streams: SampleStreams) -> list[RequestOutput]:
+        """The finished outputs; a client that leaves first gets its requests aborted (and no answer)."""
+        result = asyncio.ensure_future(streams.final_outputs())
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({result, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                result.cancel()
+                raise ClientGone()
+            return result.result()
+        finally:
+            disconnected.cancel()
+            await streams.close()
 
     def sse(model: BaseModel) -> str:
         return f"data: {json.dumps(P.dump(model), ensure_ascii=False)}\n\n"
@@ -314,10 +335,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return _AbortingStreamingResponse(
                 chat_events(streams, request_id, body.model, body.logprobs, include_usage), media_type="text/event-stream"
             )
-        try:
-            outputs = await streams.final_outputs()
-        finally:
-            await streams.close()
+        outputs = await final_outputs_unless_disconnected(request, streams)
         choices = [
             P.ChatChoice(
                 index=j,
@@ -328,7 +346,9 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             )
             for j, out in enumerate(outputs)
         ]
-        response = P.ChatCompletionResponse(id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs))
+        response = P.ChatCompletionResponse(
+            id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs)
+        )
         return JSONResponse(P.dump(response))
 
     async def chat_events(
@@ -400,10 +420,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 completion_events(streams, request_id, body.model, body.logprobs is not None, include_usage),
                 media_type="text/event-stream",
             )
-        try:
-            outputs = await streams.final_outputs()
-        finally:
-            await streams.close()
+        outputs = await final_outputs_unless_disconnected(request, streams)
         choices = [
             P.CompletionChoice(
                 index=j,
@@ -414,7 +431,9 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             )
             for j, out in enumerate(outputs)
         ]
-        response = P.CompletionResponse(id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs))
+        response = P.CompletionResponse(
+            id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs)
+        )
         return JSONResponse(P.dump(response))
 
     async def completion_events(
