@@ -474,6 +474,28 @@ def test_bad_request_names_the_field(spec_server) -> None:
     assert response.json()["error"]["param"] == "temperature"
 
 
+def test_engine_failure_is_a_500_and_the_server_goes_on(plain_server, monkeypatch) -> None:
+    poison = 77  # prompts starting with this token make the model runner raise
+    runner = plain_server.engine.runner
+    extend = runner.extend
+
+    def faulty_extend(requests, num_new, **kwargs):
+        if any(r.prompt_token_ids[0] == poison for r in requests):
+            raise RuntimeError("injected fault")
+        return extend(requests, num_new, **kwargs)
+
+    monkeypatch.setattr(runner, "extend", faulty_extend)
+    url = f"{plain_server.base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": [poison, 5, 6], "max_tokens": 4, "stream": stream}
+        response = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert response.status_code == 500 and "injected fault" in response.json()["error"]["message"]
+    good = plain_server.client().completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, **GREEDY)
+    assert good.usage.completion_tokens == 4
+    assert plain_server.metrics()[("eaglet:kv_cache_free_blocks", ())] == plain_server.initial_free_blocks
+
+
 def test_unknown_route_and_method(spec_server) -> None:
     assert httpx.get(f"{spec_server.base_url}/v1/nothing").status_code == 404
     response = httpx.get(f"{spec_server.base_url}/v1/chat/completions")
