@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from checkpoints import write_tiny_tokenizer
+from checkpoints import write_deepseek_v3_checkpoint, write_tiny_tokenizer
 from runtime_utils import make_image
 from spec_fixtures import echo_draft, echo_kimi_target
 
@@ -91,7 +91,11 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys) -> None:
 
 def test_inconsistent_flags_exit_with_a_message(checkpoint, tmp_path, monkeypatch) -> None:
     target, draft = checkpoint
+    text_model = write_deepseek_v3_checkpoint(tmp_path / "text-model", with_tokenizer=True)
+    image = tmp_path / "image.png"
+    make_image(8, 8, 0).save(image)
     cases = [
+        (["--model-path", str(text_model), "--image", str(image)], "no vision tower"),
         (["--model-path", str(target), "--speculative-algorithm", "EAGLE3"], "needs --speculative-draft-model-path"),
         (["--model-path", str(target), "--speculative-draft-model-path", str(draft)], "needs --speculative-algorithm"),
         (["--model-path", str(tmp_path / "missing")], "cannot load the model"),

@@ -42,9 +42,11 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]]
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     """The prompt text the model's chat template makes of the messages, ready for the assistant turn."""
     if tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer, so it cannot serve chat; use /v1/completions with token ids")
+        raise InvalidRequestError("this model has no tokenizer, so it cannot chat; send token ids (/v1/completions)")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
+        raise InvalidRequestError(
+            "this model's tokenizer has no chat template; send a plain prompt (/v1/completions, or eaglet generate --raw)"
+        )
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # a template may raise on what it does not support (jinja raise_exception)
