@@ -33,7 +33,8 @@ def _layer_ids(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", required=True, help="target checkpoint directory")
-    parser.add_argument("--prompts", required=True, help="JSONL prompts: {messages, images} / {prompt} / {prompt_token_ids}")
+    parser.add_argument("--prompts", required=True,
+                        help="JSONL, one {messages, images} / {prompt, images} / {prompt_token_ids} object a line")
     parser.add_argument("--output-dir", required=True, help="where the draft checkpoint and training state go")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="target dtype, and the exported draft's")
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from eaglet.train import TrainDraftConfig, train_draft
 
     overrides = {"intermediate_size": args.draft_intermediate_size} if args.draft_intermediate_size else {}

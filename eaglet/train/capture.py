@@ -74,7 +74,7 @@ def regenerate_responses(
 ) -> list[GeneratedSample]:
     """The target's own responses to ``requests`` (engine request dicts), all in one engine run."""
     params = [
-        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i if temperature > 0 else None)
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i if temperature else None)
         for i in range(len(requests))
     ]
     outputs = llm.generate(list(requests), params)
@@ -90,7 +90,8 @@ def capture_batch(
     prompt_lens: list[int] = []
     for i, sample in enumerate(samples):
         prompt_ids, mm_inputs = engine._prepare_prompt(sample.request)
-        requests.append(Request(f"capture-{i}", prompt_ids + sample.response_ids, SamplingParams(max_new_tokens=1), mm_inputs))
+        token_ids = prompt_ids + sample.response_ids
+        requests.append(Request(f"capture-{i}", token_ids, SamplingParams(max_new_tokens=1), mm_inputs))
         prompt_lens.append(len(prompt_ids))
     for req in requests:
         req.req_pool_idx = engine.cache.alloc_row()

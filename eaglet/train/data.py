@@ -48,7 +48,7 @@ class PromptRecord:
         images = [_resolve(img, base_dir) for img in images]
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
                 raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints")
             return cls(prompt_token_ids=list(ids), images=images)
         if "prompt" in obj:
@@ -74,7 +74,7 @@ class PromptRecord:
             ids = self.prompt_token_ids
         else:
             if tokenizer is None:
-                raise ValueError("chat prompts need the target's tokenizer; this target has none (use prompt_token_ids)")
+                raise ValueError("chat prompts need the target's tokenizer (this target has none: use prompt_token_ids)")
             text = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
             ids = list(tokenizer.encode(text, add_special_tokens=False))
         request: dict[str, Any] = {"prompt_token_ids": ids}

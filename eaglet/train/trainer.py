@@ -167,7 +167,9 @@ def prepare_data(config: TrainDraftConfig) -> PreparedData:
     )
     requests = [record.to_request(llm.tokenizer) for record in records]
     if config.num_eval_prompts >= len(requests):
-        raise ValueError(f"num_eval_prompts {config.num_eval_prompts} leaves none of the {len(requests)} prompts to train on")
+        raise ValueError(
+            f"num_eval_prompts {config.num_eval_prompts} leaves none of the {len(requests)} prompts to train on"
+        )
     order = torch.randperm(len(requests), generator=torch.Generator().manual_seed(config.seed)).tolist()
     eval_requests = [requests[i] for i in order[: config.num_eval_prompts]]
     train_requests = [requests[i] for i in sorted(order[config.num_eval_prompts :])]
@@ -215,8 +217,9 @@ def train_draft(config: TrainDraftConfig) -> TrainDraftResult:
     samples = _truncate(data.train_samples, config.max_length)
     if not samples:
         raise ValueError("no training sequence has a response token (check max_length and max_new_tokens)")
-    vocab = build_hot_vocab((s.response_ids for s in samples), text.vocab_size, min(config.draft_vocab_size, text.vocab_size))
-    aux = tuple(config.aux_layer_ids) if config.aux_layer_ids is not None else default_aux_layer_ids(text.num_hidden_layers)
+    draft_vocab_size = min(config.draft_vocab_size, text.vocab_size)
+    vocab = build_hot_vocab((s.response_ids for s in samples), text.vocab_size, draft_vocab_size)
+    aux = tuple(config.aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers))
     cache = CaptureCache(config.cache_dir, config.cache_chunk_size) if config.cache_dir else None
     features_key = CaptureCache.key(
         responses=data.responses_key, aux=list(aux), used=vocab.used_ids.tolist(), max_length=config.max_length

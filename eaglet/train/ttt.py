@@ -177,15 +177,16 @@ class TTTLoss:
 def ttt_loss(step_logits: list[torch.Tensor], batch: TTTBatch) -> TTTLoss:
     n = batch.num_rows
     total = step_logits[0].new_zeros(())
+    target_argmax = batch.target_probs.argmax(dim=-1)
     losses, accuracies, counts = [], [], []
     for step, logits in enumerate(step_logits):
-        probs = batch.target_probs[:, step : step + n].float()
+        probs = batch.target_probs[:, step : step + n]
         mask = batch.loss_mask[:, step : step + n]
         count = int(mask.sum())
         per_row = -(probs * logits.log_softmax(dim=-1)).sum(-1)
         loss = (per_row * mask).sum() / max(count, 1)
         total = total + STEP_WEIGHT_DECAY**step * loss
-        agree = (logits.argmax(-1) == probs.argmax(-1)) & mask
+        agree = logits.detach()[mask].argmax(-1) == target_argmax[:, step : step + n][mask]
         losses.append(float(loss.detach()))
         accuracies.append(float(agree.sum()) / max(count, 1))
         counts.append(count)
