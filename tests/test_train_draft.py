@@ -26,7 +26,7 @@ from eaglet.train.capture import CapturedSequence, capture_features, regenerate_
 from eaglet.train.data import PromptRecord, load_prompts
 from eaglet.train.export import default_aux_layer_ids, draft_config_dict, export_draft, new_draft
 from eaglet.train.trainer import collate
-from eaglet.train.ttt import ttt_forward
+from eaglet.train.ttt import restore_inference_weights, ttt_forward, ttt_loss
 from eaglet.train.vocab import build_hot_vocab
 
 AUX = (0, 1, 2)  # the tiny targets have 3 layers
@@ -139,6 +139,20 @@ def test_training_forward_equals_inference_draft(text_target, tmp_path, kind):
         for step in range(TTT_STEPS):
             rows = seq.num_rows - step  # rows whose input token exists at this step
             torch.testing.assert_close(training[step][i, :rows], inference[step][:rows], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mla", "llama"])
+def test_every_draft_parameter_gets_a_gradient(text_target, kind):
+    """Also after the inference-time fused matrices were derived (process_weights_after_loading):
+    the training forward must not read a detached copy of any parameter."""
+    _, _, config = text_target
+    draft, _, _ = _random_draft(text_target, kind)
+    restore_inference_weights(draft)
+    hidden = config.text.hidden_size
+    batch = collate([_sequence(12, 4, 3 * hidden, hidden, 96, seed=5)], draft.embed, TTT_STEPS)
+    ttt_loss(ttt_forward(draft, batch, TTT_STEPS), batch).loss.backward()
+    missing = [name for name, p in draft.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing
 
 
 @pytest.mark.parametrize("kind", ["mla", "llama"])
