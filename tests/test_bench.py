@@ -1,0 +1,80 @@
+"""`eaglet bench` end to end on test-sized checkpoints: the table, the JSON record, the peers' rows."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from eaglet.cli import build_parser
+
+SPEC_FIELDS = ("accept_length", "per_position_acceptance", "phase_share", "ms_per_round", "over_eaglet_plain")
+
+
+def run_bench(tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    results = tmp_path / "results"
+    argv = ["bench", "--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
+            "--repeats", "1", "--bandwidth-gib", "0.02", "--workdir", str(tmp_path / "ckpt"),
+            "--results-dir", str(results), *extra]
+    args = build_parser().parse_args(argv)
+    code = args._run(args)
+    (record_file,) = results.glob("bench-*.json")
+    return code, json.loads(record_file.read_text())
+
+
+def test_bench_runs_every_engine_and_records_the_fields(tmp_path, capsys):
+    code, record = run_bench(tmp_path, "--batch-sizes", "1,2", "--modes", "plain,chain", "--hf-batch-sizes", "1",
+                             "--vllm-batch-sizes", "1", "--vllm-venv", str(tmp_path / "no-venv"),
+                             "--json", str(tmp_path / "copy.json"))
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "vLLM-CPU skipped: no vLLM venv at" in out and "tools/bench_setup_vllm.sh" in out
+    assert json.loads((tmp_path / "copy.json").read_text()) == record
+    (ck,) = record["checkpoints"]
+    assert ck["checkpoint"] == "deepseek-fp32" and ck["dtype"] == "float32" and ck["params"] > 0
+    rows = {(r["engine"], r["mode"], r["batch"]): r for r in ck["rows"]}
+    assert set(rows) == {("eaglet", "plain", 1), ("eaglet", "chain", 1), ("eaglet", "plain", 2),
+                         ("eaglet", "chain", 2), ("transformers", "plain", 1)}
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0 and row["itl_ms"] > 0
+    for batch in (1, 2):
+        chain = rows["eaglet", "chain", batch]
+        for field in SPEC_FIELDS:
+            assert field in chain, field
+        assert 1.0 <= chain["accept_length"] <= 4.0
+        assert len(chain["per_position_acceptance"]) == 3
+        assert abs(sum(chain["phase_share"].values()) - 1.0) < 1e-6
+        # greedy speculation is lossless: the same tokens as plain decoding
+        assert chain["same_tokens_as_eaglet_plain"]
+        roof = rows["eaglet", "plain", batch]["roofline"]
+        assert roof["bytes_per_step"] > 0 and roof["achieved_gbps"] > 0 and roof["read_gbps"] > 0
+    assert rows["eaglet", "plain", 1]["over_transformers"] > 0
+    assert "over_transformers" not in rows["eaglet", "plain", 2]  # transformers ran at batch 1 only
+    assert any("vLLM-CPU skipped" in note for note in ck["notes"])
+
+
+def test_failing_vllm_venv_is_reported_not_fatal(tmp_path):
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho 'vllm exploded' >&2\nexit 3\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain", "--hf-batch-sizes", "",
+                             "--vllm-batch-sizes", "1", "--vllm-venv", str(tmp_path / "venv"), "--no-roofline")
+    assert code == 0
+    (ck,) = record["checkpoints"]
+    assert [r["engine"] for r in ck["rows"]] == ["eaglet"]
+    assert any("vLLM run failed (exit 3): vllm exploded" in note for note in ck["notes"])
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain,tree", "--hf-batch-sizes", "",
+                             "--vllm-batch-sizes", "", "--no-roofline", "--plot", str(out))
+    assert code == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (ck,) = record["checkpoints"]
+    (tree,) = [r for r in ck["rows"] if r["mode"] == "tree"]
+    assert len(tree["per_position_acceptance"]) == 4

@@ -1,0 +1,85 @@
+"""The decode fast paths compute what the plain formulas do: small-batch GEMM form, fused
+projections, the one-token MoE path, float32 absorbed attention; and the "auto" dtype policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglet.config import parse_text_config
+from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16
+from eaglet.layers.linear import SMALL_BATCH_ROWS, linear
+from eaglet.layers.moe import MoE, SwiGLU
+from eaglet.models.registry import resolve_dtype
+
+from checkpoints import tiny_text_config
+
+
+@pytest.mark.parametrize("rows", [1, 2, min(SMALL_BATCH_ROWS), max(SMALL_BATCH_ROWS), max(SMALL_BATCH_ROWS) + 1, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=g)
+    w = torch.randn(40, 48, generator=g)
+    b = torch.randn(40, generator=g) if with_bias else None
+    out = linear(x, w, b)
+    assert out.shape == (rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    bf16 = linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16())
+    torch.testing.assert_close(bf16, F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()))
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def test_swiglu_fused_gate_up_matches_separate_projections():
+    mlp = SwiGLU(32, 24)
+    _randomize(mlp, 0)
+    gate, up = mlp.gate_proj.weight.clone(), mlp.up_proj.weight.clone()
+    mlp.process_weights_after_loading()
+    # the checkpoint-named parameters are views of the fused matrix, values unchanged
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
+    assert torch.equal(mlp.gate_proj.weight, gate) and torch.equal(mlp.up_proj.weight, up)
+    x = torch.randn(5, 32)
+    expected = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), mlp.down_proj.weight)
+    torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_one_token_moe_path_matches_the_grouped_path():
+    cfg = parse_text_config(tiny_text_config(hidden_size=32, moe_intermediate_size=16, num_experts_per_tok=3), "test")
+    moe = MoE(cfg)
+    _randomize(moe, 1)
+    for module in moe.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    tokens = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    batched = moe(tokens)  # four tokens: the sort / grouped-matmul path
+    for i in range(4):
+        torch.testing.assert_close(moe(tokens[i : i + 1]), batched[i : i + 1], atol=1e-6, rtol=1e-6)
+
+
+def test_auto_dtype_follows_native_bf16_support():
+    assert auto_dtype(frozenset({"avx2", "fma"})) == torch.float32
+    assert auto_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
+    assert auto_dtype(frozenset({"amx_bf16", "amx_tile"})) == torch.bfloat16
+    assert resolve_dtype("auto") == (torch.bfloat16 if has_native_bf16() else torch.float32)
+    with pytest.raises(ValueError, match="'auto'"):
+        resolve_dtype("int8")
+
+
+def test_fused_projections_leave_training_gradients_on_the_named_parameters():
+    mlp = SwiGLU(16, 8)
+    _randomize(mlp, 3)
+    mlp.process_weights_after_loading()
+    for p in mlp.parameters():
+        p.requires_grad_(True)
+    x = torch.randn(3, 16)
+    mlp(x).square().sum().backward()
+    assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad.abs().sum() > 0
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)), atol=1e-6, rtol=1e-6)
