@@ -1,0 +1,83 @@
+"""The bundled demo model (eaglet/demo_model/, built by tools/demo/build.py): it sees the scenes it
+is asked about, its EAGLE-3 draft is lossless and batch invariant; and the build pipeline itself
+runs end to end at a tiny size."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eaglet.api import LLM
+from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR, demo_model_available
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tools.demo import evaluate  # noqa: E402
+
+needs_demo = pytest.mark.skipif(
+    not demo_model_available(),
+    reason="the demo model is not built (run `python tools/demo/build.py` to make eaglet/demo_model/{target,draft})",
+)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(str(DEMO_TARGET_DIR), dtype="bfloat16", show_progress=False)
+
+
+@needs_demo
+def test_answers_held_out_scene_questions(plain):
+    """Two fresh scenes per question type (colour, shape, position, count, description); chance
+    is 1/6 for colours, 1/4 for shapes, 1/5 for positions."""
+    items = evaluate.held_out_scene_items(per_kind=2, seed=1)
+    outputs = plain.generate([item.request for item in items], evaluate.greedy())
+    wrong = [(item.kind, item.expected, out.text) for item, out in zip(items, outputs)
+             if not evaluate.scenes.answer_matches(item.kind, item.expected, out.text)]
+    assert len(wrong) <= 1, wrong
+
+
+@needs_demo
+@pytest.mark.parametrize("shape", [evaluate.CHAIN, evaluate.TREE], ids=["chain", "tree"])
+def test_speculative_greedy_equals_plain_greedy(plain, shape):
+    prompts = evaluate.held_out_prompts(6, seed=2)
+    expected = [o.token_ids for o in plain.generate(prompts, evaluate.greedy(32))]
+    spec = evaluate.speculative_llm(DEMO_TARGET_DIR, DEMO_DRAFT_DIR, shape, "bfloat16")
+    outputs = spec.generate(prompts, evaluate.greedy(32))
+    assert [o.token_ids for o in outputs] == expected
+    assert spec.spec_metrics()["accept_length"] > 1.5  # the draft really predicts the target
+
+
+@needs_demo
+def test_batch_of_eight_images_accepts_as_much_as_each_alone():
+    prompts = [p for p in evaluate.held_out_prompts(40, seed=3) if "images" in p][:8]
+    assert len(prompts) == 8
+    result = evaluate.batch_invariance(DEMO_TARGET_DIR, DEMO_DRAFT_DIR, prompts, evaluate.CHAIN, "bfloat16")
+    assert result["same_tokens"]
+    assert result["batched_accept_length"] == pytest.approx(result["alone_accept_length"], rel=0.02)
+
+
+def test_smoke_build_pipeline(tmp_path):
+    """tools/demo/build.py --smoke: tokenizer, target training, export in the published layout
+    (checked against transformers inside the build), draft trained by eaglet train-draft; the
+    result loads and speculates in eaglet."""
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools/demo/build.py"), "--smoke", "--out", str(out), "--work", str(tmp_path / "work")],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    config = json.loads((out / "target" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k25" and config["text_config"]["model_type"] == "kimi_k2"
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+                 "generation_config.json"):
+        assert (out / "target" / name).is_file(), name
+    draft_config = json.loads((out / "draft" / "config.json").read_text())
+    assert draft_config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    prompt = evaluate.held_out_prompts(4, seed=4)
+    plain = LLM(str(out / "target"), dtype="float32", show_progress=False)
+    spec = evaluate.speculative_llm(out / "target", out / "draft", evaluate.CHAIN, "float32")
+    params = evaluate.greedy(8)
+    assert [o.token_ids for o in spec.generate(prompt, params)] == [o.token_ids for o in plain.generate(prompt, params)]
