@@ -404,6 +404,7 @@ def plot(record: dict, out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     checkpoints = record["checkpoints"]
     fig, axes = plt.subplots(len(checkpoints), 2, figsize=(12, 4 * len(checkpoints)), squeeze=False)
@@ -424,6 +425,7 @@ def plot(record: dict, out: Path) -> None:
                 acc = r["per_position_acceptance"]
                 ax_acc.plot(range(1, len(acc) + 1), acc, marker="o",
                             label=f"{r['mode']} B={r['batch']} (accept {r['accept_length']:.2f})")
+        ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_acc.set_xlabel("draft position")
         ax_acc.set_ylabel("acceptance rate")
         ax_acc.set_ylim(0, 1.05)
