@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import stat
 from pathlib import Path
 
 import pytest
 
-from eaglet.cli import build_parser
+from eaglet.commands import bench
 
 SPEC_FIELDS = ("accept_length", "per_position_acceptance", "phase_share", "ms_per_round", "over_eaglet_plain")
 
 
 def run_bench(tmp_path: Path, *extra: str) -> tuple[int, dict]:
     results = tmp_path / "results"
-    argv = ["bench", "--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
+    argv = ["--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
             "--repeats", "1", "--bandwidth-gib", "0.02", "--workdir", str(tmp_path / "ckpt"),
             "--results-dir", str(results), *extra]
-    args = build_parser().parse_args(argv)
-    code = args._run(args)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    code = bench.run(parser.parse_args(argv))
     (record_file,) = results.glob("bench-*.json")
     return code, json.loads(record_file.read_text())
 
