@@ -33,6 +33,8 @@ from tools.demo import train_target as tt  # noqa: E402
 from tools.demo.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
 
 FULL_VOCAB = 1024
+FULL_TARGET_STEPS = 4000
+FULL_SCHEDULE_SEGMENTS = ((1200, 2000), (2800, 2800))  # see TrainSettings.schedule_segments
 SMOKE_VOCAB = 400
 TOKENIZER_SCENES = 3000  # scenes whose questions/answers join the docs as tokenizer training text
 DRAFT_TTT_LENGTH = 5
@@ -67,7 +69,8 @@ def build_target(out_dir: Path, work_dir: Path, *, smoke: bool, steps: int, batc
     log(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {vocab}")
     maker = tt.ExampleMaker(tokenizer, tt.make_image_processor(init_dir), corpus.docs_paragraphs())
     settings = tt.TrainSettings(steps=steps, batch_size=batch_size, seed=seed,
-                                warmup_steps=min(100, max(1, steps // 10)))
+                                warmup_steps=min(100, max(1, steps // 10)),
+                                schedule_segments=() if smoke else FULL_SCHEDULE_SEGMENTS)
     (work_dir / "settings.json").write_text(json.dumps(tt.settings_dict(size, settings), indent=2) + "\n")
     began = time.monotonic()
     done = tt.train_target(model, maker, settings, work_dir, log=log, max_minutes=max_minutes)
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         log_file.flush()
 
     stages = set(args.stages.split(","))
-    steps = args.target_steps or (4 if args.smoke else 2000)
+    steps = args.target_steps or (4 if args.smoke else FULL_TARGET_STEPS)
     batch_size = args.batch_size or (4 if args.smoke else 32)
     if "target" in stages:
         build_target(args.out / "target", work, smoke=args.smoke, steps=steps, batch_size=batch_size,

@@ -230,12 +230,17 @@ class TrainSettings:
     grad_clip: float = 1.0
     checkpoint_every: int = 200
     seed: int = 0
+    # (until_step, horizon): steps before until_step follow the cosine schedule of a run of
+    # `horizon` steps; later steps follow `steps`. Records how the shipped run was extended twice
+    # while training (each extension resumed from a checkpoint), so a rebuild repeats it exactly.
+    schedule_segments: tuple[tuple[int, int], ...] = ()
 
 
 def learning_rate(settings: TrainSettings, step: int) -> float:
     if step < settings.warmup_steps:
         return settings.lr * (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
+    horizon = next((h for until, h in settings.schedule_segments if step < until), settings.steps)
+    progress = (step - settings.warmup_steps) / max(1, horizon - settings.warmup_steps)
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -321,6 +326,7 @@ def export_published(model: torch.nn.Module, template_dir: Path, out_dir: Path, 
         keep_fp32 = name.endswith("e_score_correction_bias")
         tensors[name] = tensor.to(torch.float32 if keep_fp32 else dtype).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # save_file creates it owner-only; it is package data
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config["text_config"]["torch_dtype"] = config["torch_dtype"]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
