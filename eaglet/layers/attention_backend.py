@@ -89,18 +89,39 @@ class TorchNativeMLABackend:
     def _absorbed(
         self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
+        """Attention in the latent space, in float32 whatever the cache dtype.
+
+        q_latent = q_nope W_UK per head; scores over [latent | k_pe] keys; the probability-weighted
+        latent goes through W_UV. The gathered keys, the key mask and the batch-to-token map are the
+        same for every layer of a forward, so they are derived once per forward (``batch._memo``).
+        """
         latent = layer.kv_lora_rank
         max_len = max(batch.seq_lens_cpu)
-        slots = self.cache.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]
-        cached = self.pool.kv[layer.layer_id][slots]  # [B, S, L+R]
-        token_req = batch.token_to_request()
-        mask = batch.attention_mask(max_len)  # [T, S]
+        slots = self._slots(batch, max_len)  # [B * S]
+        cached = self.pool.kv[layer.layer_id].index_select(0, slots)
+        cached = cached.view(batch.batch_size, max_len, -1).float()  # [B, S, L+R]
+        if batch.mode != ForwardMode.DECODE:
+            cached = cached.index_select(0, batch.token_to_request())  # [T, S, L+R]
 
-        q_latent = torch.einsum("thp,hpl->thl", q_nope, layer.w_uk)
-        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L+R]
-        keys = cached[token_req] if batch.mode != ForwardMode.DECODE else cached  # [T, S, L+R]
-        scores = torch.bmm(q, keys.transpose(1, 2)).float() * layer.scaling  # [T, H, S]
-        scores.masked_fill_(~mask[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
-        o_latent = torch.bmm(probs, keys[:, :, :latent])  # [T, H, L]
-        return torch.einsum("thl,hvl->thv", o_latent, layer.w_uv)
+        q_latent = torch.bmm(q_nope.float().transpose(0, 1), layer.w_uk).transpose(0, 1)  # [T, H, L]
+        q = torch.cat([q_latent, q_pe.float()], dim=-1)  # [T, H, L+R]
+        scores = torch.bmm(q, cached.transpose(1, 2))  # [T, H, S]
+        scores.mul_(layer.scaling)
+        if not self._all_keys_visible(batch, max_len):
+            scores.masked_fill_(~batch.attention_mask(max_len)[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o_latent = torch.bmm(probs, cached[:, :, :latent])  # [T, H, L]
+        out = torch.bmm(o_latent.transpose(0, 1), layer.w_uv_t).transpose(0, 1)  # [T, H, V]
+        return out.to(q_nope.dtype)
+
+    def _slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:
+        """Cache slots of row indices 0..max_len-1 of every request, flattened: [B * max_len]."""
+        key = ("slots", id(self.cache.req_to_token), max_len)
+        if key not in batch._memo:
+            batch._memo[key] = self.cache.req_to_token[batch.req_pool_indices, :max_len].reshape(-1)
+        return batch._memo[key]
+
+    @staticmethod
+    def _all_keys_visible(batch: ForwardBatch, max_len: int) -> bool:
+        """A plain decode step over requests of one length sees every key: no mask needed."""
+        return batch.mode == ForwardMode.DECODE and batch.custom_mask is None and min(batch.seq_lens_cpu) == max_len

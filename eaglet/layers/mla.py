@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from eaglet.config import TextConfig
+from eaglet.layers.linear import linear
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding, softmax_scale
 
@@ -49,14 +50,35 @@ class MLAAttention(nn.Module):
             config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
-        self.w_uk: torch.Tensor | None = None
-        self.w_uv: torch.Tensor | None = None
+        # Set by process_weights_after_loading.
+        self.w_uk: torch.Tensor | None = None  # [H, P, L] float32
+        self.w_uv_t: torch.Tensor | None = None  # [H, L, V] float32
+        self.qkv_a_weight: torch.Tensor | None = None  # [q_lora_rank + L + R, input_size]
+        self.qkv_a_bias: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Splits kv_b_proj into the absorbed-form matrices W_UK [H, P, L] and W_UV [H, V, L]."""
-        w = self.kv_b_proj.weight.detach().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        """Derives the absorbed-form matrices and fuses the two down-projections that read x.
+
+        W_UK [H, P, L] and W_UV^T [H, L, V] come from kv_b_proj and are kept in float32: absorbed
+        attention runs in float32 whatever the model dtype (1.1-1.2x faster than bfloat16 batched
+        GEMMs of these shapes where the CPU emulates bfloat16, as fast with AMX; and more exact).
+        With q_lora_rank, q_a_proj and kv_a_proj_with_mqa become row slices of one matrix, so a
+        token reads x once in one GEMM; the checkpoint-named parameters stay views of it.
+        """
+        w = self.kv_b_proj.weight.detach().float().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()
-        self.w_uv = w[:, self.qk_nope_head_dim :].contiguous()
+        self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
+        if hasattr(self, "q_a_proj"):
+            q_rows = self.q_a_proj.weight.shape[0]
+            fused = torch.cat([self.q_a_proj.weight.detach(), self.kv_a_proj_with_mqa.weight.detach()])
+            self.q_a_proj.weight.data = fused[:q_rows]
+            self.kv_a_proj_with_mqa.weight.data = fused[q_rows:]
+            self.qkv_a_weight = fused
+            if self.q_a_proj.bias is not None:
+                fused_bias = torch.cat([self.q_a_proj.bias.detach(), self.kv_a_proj_with_mqa.bias.detach()])
+                self.q_a_proj.bias.data = fused_bias[:q_rows]
+                self.kv_a_proj_with_mqa.bias.data = fused_bias[q_rows:]
+                self.qkv_a_bias = fused_bias
 
     def forward(
         self,
@@ -68,14 +90,26 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+            q = linear(x, self.q_proj.weight)
+            c_kv, k_pe = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
+                [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+            )
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.qkv_a_weight is None or torch.is_grad_enabled():
+                # Not prepared for inference, or being trained: the fused copy carries no gradient.
+                q_a = linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
+                c_kv, k_pe = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
+                    [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+                )
+            else:
+                q_a, c_kv, k_pe = linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
+                    [self.q_a_proj.weight.shape[0], self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+                )
+            q = linear(self.q_a_layernorm(q_a), self.q_b_proj.weight)
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe = self.rotary(q_pe, cos, sin)
         k_pe = self.rotary(k_pe, cos, sin)
         attn = backend.forward(self, q_nope, q_pe, c_kv, k_pe, batch)  # [T, H, V]
-        return self.o_proj(attn.reshape(num_tokens, self.num_heads * self.v_head_dim))
+        return linear(attn.reshape(num_tokens, self.num_heads * self.v_head_dim), self.o_proj.weight, self.o_proj.bias)

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet.config import TextConfig
+from eaglet.layers.linear import linear
 
 
 class SwiGLU(nn.Module):
@@ -13,9 +14,24 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # [2 * intermediate, hidden], set after loading
+
+    def process_weights_after_loading(self) -> None:
+        """Stacks gate and up into one matrix (one GEMM per call); the named parameters become views of it."""
+        inter = self.gate_proj.weight.shape[0]
+        fused = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        self.gate_proj.weight.data = fused[:inter]
+        self.up_proj.weight.data = fused[inter:]
+        self.gate_up_weight = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None or torch.is_grad_enabled():
+            # Not prepared for inference, or being trained (draft training): the fused copy carries no
+            # gradient, so read the parameters themselves.
+            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+        else:
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class NoAuxRouter(nn.Module):
@@ -75,6 +91,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = expert_ids.shape
+        if num_tokens == 1:
+            return self._forward_one_token(x, weights, expert_ids)
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
         token_of = order // top_k
@@ -87,11 +105,24 @@ class RoutedExperts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate, up = F.linear(sorted_x[start:end], self.w13[expert]).chunk(2, dim=-1)
-            sorted_out[start:end] = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = linear(sorted_x[start:end], self.w13[expert]).chunk(2, dim=-1)
+            sorted_out[start:end] = linear(F.silu(gate) * up, self.w2[expert])
             start = end
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, sorted_out * sorted_w[:, None])
+        return out
+
+    def _forward_one_token(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Batch-1 decode: the token's experts one after another, without the sort / gather / scatter.
+
+        Sums in ascending expert id, the order in which ``forward``'s index_add_ accumulates.
+        """
+        ids = expert_ids[0].tolist()
+        scale = weights[0].to(x.dtype)
+        out = torch.zeros_like(x)
+        for k in sorted(range(len(ids)), key=ids.__getitem__):
+            gate, up = linear(x, self.w13[ids[k]]).chunk(2, dim=-1)
+            out += linear(F.silu(gate) * up, self.w2[ids[k]]) * scale[k]
         return out
 
 

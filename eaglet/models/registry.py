@@ -8,18 +8,22 @@ import torch
 from torch import nn
 
 from eaglet.config import ModelConfig, load_model_config
+from eaglet.layers.cpu_policy import auto_dtype
 from eaglet.models.loader import load_weights, skip_init
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A supported torch dtype from its name; ``"auto"`` picks what this CPU runs fastest (cpu_policy)."""
+    if dtype == "auto":
+        return auto_dtype()
     if isinstance(dtype, torch.dtype):
         if dtype not in SUPPORTED_DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
         return dtype
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(SUPPORTED_DTYPES)}")
+        raise ValueError(f"dtype {dtype!r} is not supported; choose 'auto' or one of {sorted(SUPPORTED_DTYPES)}")
     return SUPPORTED_DTYPES[dtype]
 
 
