@@ -1,5 +1,6 @@
 """The decode fast paths compute what the plain formulas do: small-batch GEMM form, fused
-projections, the one-token MoE path, float32 absorbed attention; and the "auto" dtype policy."""
+projections, the one-token MoE path, float32 absorbed attention, oneDNN-packed bfloat16 weights;
+and the "auto" dtype policy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from eaglet.config import parse_text_config
 from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16
-from eaglet.layers.linear import SMALL_BATCH_ROWS, linear
+from eaglet.layers.linear import SMALL_BATCH_ROWS, linear, pack_for_inference, pack_weight, should_pack
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.models.registry import resolve_dtype
 
@@ -83,3 +84,59 @@ def test_fused_projections_leave_training_gradients_on_the_named_parameters():
     assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad.abs().sum() > 0
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)), atol=1e-6, rtol=1e-6)
+
+
+needs_native_bf16 = pytest.mark.skipif(not should_pack(torch.bfloat16), reason="CPU without native bfloat16 GEMMs")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_weight_is_bit_identical_to_f_linear(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w = torch.randn(80, 96, generator=g).bfloat16()
+    b = torch.randn(80, generator=g).bfloat16() if with_bias else None
+    expected = F.linear(x, w, b)
+    pack_weight(w)
+    with torch.no_grad():
+        assert torch.equal(linear(x, w, b), expected)
+        assert torch.equal(linear(x[:, None].expand(rows, 2, 96)[:, 0], w, b), expected)  # a strided x
+
+
+@needs_native_bf16
+def test_packed_weight_is_not_used_after_an_in_place_update_or_with_gradients():
+    w = torch.randn(32, 16).bfloat16()
+    x = torch.randn(4, 16).bfloat16()
+    pack_weight(w)
+    with torch.no_grad():
+        w.mul_(2)  # an optimizer step: the packed copy is stale now
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    w2 = torch.randn(32, 16).bfloat16().requires_grad_()
+    pack_weight(w2)
+    out = linear(x, w2)  # grad mode: through the parameter itself, so the gradient reaches it
+    out.sum().backward()
+    assert w2.grad is not None and w2.grad.abs().sum() > 0
+
+
+@needs_native_bf16
+def test_packed_moe_layer_equals_the_unpacked_one():
+    config = parse_text_config(tiny_text_config(hidden_size=32, moe_intermediate_size=16), "test")
+    torch.manual_seed(0)
+    reference = MoE(config).bfloat16()
+    _randomize(reference, 5)
+    reference.gate.float()  # the router runs in float32, as the loader builds it
+    for module in reference.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    packed = MoE(config).bfloat16()
+    packed.gate.float()
+    packed.load_state_dict(reference.state_dict())
+    for module in packed.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    assert pack_for_inference(packed) == 2 * config.n_routed_experts + 2  # experts' w13 / w2, shared gate_up / down
+    x = torch.randn(7, config.hidden_size).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(packed(x), reference(x))
+        assert torch.equal(packed(x[:1]), reference(x[:1]))

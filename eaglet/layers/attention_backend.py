@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
+from eaglet.layers.linear import linear
 
 if TYPE_CHECKING:
     from eaglet.layers.mla import MLAAttention
@@ -72,7 +73,7 @@ class TorchNativeMLABackend:
         for row, prefix_len, num_new in zip(rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu):
             seq_len = prefix_len + num_new
             cached = kv_cache[self.cache.req_to_token[row, :seq_len]]  # [S, L+R]
-            kv = F.linear(cached[:, :latent], layer.kv_b_proj.weight).view(seq_len, heads, -1)
+            kv = linear(cached[:, :latent], layer.kv_b_proj.weight).view(seq_len, heads, -1)
             k_nope, v = kv.split([nope, layer.v_head_dim], dim=-1)
             k_pe = cached[:, None, latent:].expand(seq_len, heads, layer.qk_rope_head_dim)
             k = torch.cat([k_nope, k_pe], dim=-1)

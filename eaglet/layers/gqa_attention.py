@@ -17,6 +17,7 @@ from torch import nn
 from eaglet.config import RopeConfig
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.layers.linear import linear
 from eaglet.layers.rotary import RotaryEmbedding
 
 
@@ -123,13 +124,16 @@ class GQAAttention(nn.Module):
         backend: TorchNativeGQABackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(num_tokens, self.num_heads, self.head_dim)
+        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = self.rotary(q, cos, sin)
         k = self.rotary(k, cos, sin)
         out = backend.forward(self, q, k, v, batch)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def packable_weights(self) -> list[torch.Tensor]:
+        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight]
 
 
 class TorchNativeGQABackend:

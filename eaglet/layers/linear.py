@@ -4,19 +4,60 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from eaglet.layers.cpu_policy import has_native_bf16
 
 # Row counts for which float32 `W @ x^T` beats F.linear: decode / verify batches of a few requests.
 # One row is a GEMV (F.linear is as fast); from about 64 rows on F.linear's blocking wins.
 SMALL_BATCH_ROWS = range(8, 33)
 
+# oneDNN picks the blocked layout of a packed weight for a typical row count; any row count runs on it.
+PACK_ROWS_HINT = 16
+_PACKED = "_eaglet_packed"  # attribute of a weight tensor: (its oneDNN-packed copy, weight._version then)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D ``x``, computed as ``(W @ x^T)^T`` for small float32 batches.
+    """F.linear(x, weight, bias), through the weight's packed copy where ``pack_weight`` made one.
 
-    MKL's float32 GEMM for F.linear's [rows, in] x [in, out] form is slow for a handful of rows,
-    while the transposed product streams W row by row (measured 1.3-4x faster on an AVX2 EPYC).
+    Without one: computed as ``(W @ x^T)^T`` for small float32 batches, since MKL's float32 GEMM for
+    F.linear's [rows, in] x [in, out] form is slow for a handful of rows while the transposed
+    product streams W row by row (measured 1.3-4x faster on an AVX2 EPYC). A column-major weight
+    (the float32 lm_head, deepseek_v3.py) is already in the layout F.linear streams.
     """
-    if weight.dtype == torch.float32 and x.shape[0] in SMALL_BATCH_ROWS and x.dim() == 2:
+    packed = getattr(weight, _PACKED, None)
+    if packed is not None and packed[1] == weight._version and not torch.is_grad_enabled():
+        return torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")
+    if weight.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in SMALL_BATCH_ROWS and weight.is_contiguous():
         out = torch.mm(weight, x.t()).t().contiguous()
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> None:
+    """Attaches a oneDNN-blocked copy of a bfloat16 [out, in] weight, which ``linear`` then uses.
+
+    On CPUs with AMX / AVX512-BF16, F.linear reorders a bfloat16 weight on every call; the packed
+    copy runs the same GEMM (bit-identical results, tests/test_layer_fast_paths.py) about 2x faster
+    for decode-sized batches (benchmarks/bench_linear.py). It costs a second copy of the weight. A
+    weight changed in place afterwards (an optimizer step) bumps its version and is read directly again.
+    """
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    setattr(weight, _PACKED, (packed, weight._version))
+
+
+def should_pack(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and has_native_bf16() and torch.backends.mkldnn.is_available()
+
+
+def pack_for_inference(model: nn.Module) -> int:
+    """Packs the bfloat16 matrices that inference reads through ``linear`` (see ``pack_weight``),
+    when this CPU multiplies bfloat16 natively. Each module lists its own in ``packable_weights()``.
+    Returns the number of matrices packed."""
+    count = 0
+    for module in model.modules():
+        for weight in module.packable_weights() if hasattr(module, "packable_weights") else ():
+            if weight.dim() == 2 and should_pack(weight.dtype) and not hasattr(weight, _PACKED):
+                pack_weight(weight)
+                count += 1
+    return count

@@ -80,6 +80,16 @@ class MLAAttention(nn.Module):
                 self.kv_a_proj_with_mqa.bias.data = fused_bias[q_rows:]
                 self.qkv_a_bias = fused_bias
 
+    def packable_weights(self) -> list[torch.Tensor]:
+        """The matrices inference multiplies by (kv_b_proj: the decompressed prefill form)."""
+        if hasattr(self, "q_proj"):
+            first = [self.q_proj.weight, self.kv_a_proj_with_mqa.weight]
+        elif self.qkv_a_weight is not None:
+            first = [self.qkv_a_weight, self.q_b_proj.weight]
+        else:
+            first = [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight, self.q_b_proj.weight]
+        return [*first, self.o_proj.weight, self.kv_b_proj.weight]
+
     def forward(
         self,
         x: torch.Tensor,

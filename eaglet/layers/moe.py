@@ -24,6 +24,10 @@ class SwiGLU(nn.Module):
         self.up_proj.weight.data = fused[inter:]
         self.gate_up_weight = fused
 
+    def packable_weights(self) -> list[torch.Tensor]:
+        gate_up = [self.gate_up_weight] if self.gate_up_weight is not None else [self.gate_proj.weight, self.up_proj.weight]
+        return [*gate_up, self.down_proj.weight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None or torch.is_grad_enabled():
             # Not prepared for inference, or being trained (draft training): the fused copy carries no
@@ -79,6 +83,19 @@ class RoutedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        # Per-expert views of w13 / w2 made once (packable_weights), so packed copies stay attached.
+        self.w13_per_expert: list[torch.Tensor] = []
+        self.w2_per_expert: list[torch.Tensor] = []
+
+    def packable_weights(self) -> list[torch.Tensor]:
+        self.w13_per_expert = [self.w13.detach()[e] for e in range(self.num_experts)]
+        self.w2_per_expert = [self.w2.detach()[e] for e in range(self.num_experts)]
+        return self.w13_per_expert + self.w2_per_expert
+
+    def _expert(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.w13_per_expert:
+            return self.w13_per_expert[expert], self.w2_per_expert[expert]
+        return self.w13[expert], self.w2[expert]
 
     def checkpoint_weights(self, prefix: str) -> dict[str, torch.Tensor]:
         inter = self.intermediate_size
@@ -105,8 +122,9 @@ class RoutedExperts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate, up = linear(sorted_x[start:end], self.w13[expert]).chunk(2, dim=-1)
-            sorted_out[start:end] = linear(F.silu(gate) * up, self.w2[expert])
+            w13, w2 = self._expert(expert)
+            gate, up = linear(sorted_x[start:end], w13).chunk(2, dim=-1)
+            sorted_out[start:end] = linear(F.silu(gate) * up, w2)
             start = end
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, sorted_out * sorted_w[:, None])
@@ -121,8 +139,9 @@ class RoutedExperts(nn.Module):
         scale = weights[0].to(x.dtype)
         out = torch.zeros_like(x)
         for k in sorted(range(len(ids)), key=ids.__getitem__):
-            gate, up = linear(x, self.w13[ids[k]]).chunk(2, dim=-1)
-            out += linear(F.silu(gate) * up, self.w2[ids[k]]) * scale[k]
+            w13, w2 = self._expert(ids[k])
+            gate, up = linear(x, w13).chunk(2, dim=-1)
+            out += linear(F.silu(gate) * up, w2) * scale[k]
         return out
 
 

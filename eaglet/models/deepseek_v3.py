@@ -15,6 +15,7 @@ from torch import nn
 from eaglet.config import TextConfig
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.layers.attention_backend import AttentionBackend
+from eaglet.layers.linear import linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
@@ -97,6 +98,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if self.lm_head.weight.dtype == torch.float32:
             self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
 
+    def packable_weights(self) -> list[torch.Tensor]:
+        return [self.lm_head.weight]
+
     def ignored_checkpoint_tensors(self, prefix: str = "") -> tuple[re.Pattern, ...]:
         """Multi-token-prediction layers (ids >= num_hidden_layers) that published checkpoints append."""
         if not self.config.num_nextn_predict_layers:
@@ -110,5 +114,5 @@ class DeepseekV3ForCausalLM(nn.Module):
             if not 0 <= layer_id < self.config.num_hidden_layers:
                 raise ValueError(f"capture layer {layer_id} out of range 0..{self.config.num_hidden_layers - 1}")
         hidden, aux = self.model(batch, backend)
-        logits = self.lm_head(hidden[batch.logits_indices]).float()
+        logits = linear(hidden[batch.logits_indices], self.lm_head.weight).float()
         return ForwardOutput(logits=logits, aux_hidden_states=aux)

@@ -46,6 +46,7 @@ from eaglet.layers.gqa_attention import (
     LlamaRotaryEmbedding,
     TorchNativeGQABackend,
 )
+from eaglet.layers.linear import linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
@@ -389,6 +390,10 @@ class Eagle3Draft(nn.Module):
         elif int(self.t2d.sum()) != draft_vocab or not bool(self.t2d[target_ids].all()):
             raise CheckpointError("t2d does not mark exactly the target ids that d2t maps the draft vocabulary to")
 
+    def packable_weights(self) -> list[torch.Tensor]:
+        """fc and an own lm_head (a shared one is the target's, packed with it)."""
+        return [self.fc.weight] + ([self.lm_head.weight] if self.lm_head is not None else [])
+
     def share_target_weights(self, embed_tokens: nn.Embedding, lm_head: nn.Linear | None) -> None:
         """Uses the target's embed_tokens when the checkpoint has none, and its lm_head when needed."""
         expected = (self.config.vocab_size, self.config.hidden_size)
@@ -457,7 +462,7 @@ class Eagle3Draft(nn.Module):
             if self.fc_norm is not None:
                 chunks = hidden.chunk(len(self.fc_norm), dim=-1)
                 hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
-            hidden = self.fc(hidden)
+            hidden = linear(hidden, self.fc.weight)
         elif hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"fed-back hidden is {hidden.shape[-1]} wide, the draft's hidden_size is {self.config.hidden_size}"
@@ -467,7 +472,8 @@ class Eagle3Draft(nn.Module):
         hidden = self.midlayer(emb.to(hidden.dtype), hidden.to(self.fc.weight.dtype), cos, sin, batch, backend)
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
-        logits = self._module("lm_head")(normed).float()
+        lm_head = self._module("lm_head")
+        logits = linear(normed, lm_head.weight, lm_head.bias).float()
         return DraftOutput(logits=logits, hidden_out=normed if self.config.norm_output else rows)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eaglet.errors import CheckpointError
+from eaglet.layers.linear import pack_for_inference
 
 # Tensors that published checkpoints carry but inference does not use.
 IGNORED_TENSORS = (
@@ -158,6 +159,7 @@ def load_weights(
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    pack_for_inference(model)
 
 
 def _tie(model: nn.Module) -> None:
