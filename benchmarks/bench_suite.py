@@ -120,7 +120,8 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
         raise ValueError(f"unknown checkpoint {name!r}; choose from {CHECKPOINTS}")
     draft = target.with_name(target.name + "-draft")
     if not (draft / "config.json").is_file():
-        echo_draft(target, draft, kind="mla", seed=4)
+        # model_type kimi_k2: the MLA-draft spelling vLLM reads as EAGLE-3 (deepseek_v3 it takes for MTP).
+        echo_draft(target, draft, kind="mla", seed=4, model_type="kimi_k2")
     return {"target": target, "draft": draft, "dtype": dtype, "images": images, "echo": True}
 
 
@@ -232,8 +233,22 @@ def vllm_python(venv: Path) -> Path | None:
     return python if python.is_file() else None
 
 
-def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args) -> dict:
-    """Runs benchmarks/vllm_runner.py in the vLLM venv; {"skipped": why} when it cannot."""
+# vLLM-CPU's recommended allocator and OpenMP runtime (about 1.3-1.6x faster at batch 1 here).
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_env(venv: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    preload = [str(lib) for lib in (TCMALLOC, venv / "lib" / "libiomp5.so") if lib.is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [x for x in [env.get("LD_PRELOAD")] if x])
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    return env
+
+
+def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args, mode: str = "plain") -> dict:
+    """Runs benchmarks/vllm_runner.py in the vLLM venv (``mode`` plain or chain: EAGLE-3 with the
+    chain's draft length); {"skipped": why} when it cannot."""
     python = vllm_python(venv)
     if python is None:
         return {"skipped": f"no vLLM venv at {venv}; install it with: {VLLM_INSTALL_HINT}"}
@@ -241,8 +256,12 @@ def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args
             "batch_sizes": batch_sizes, "repeats": args.repeats,
             "prompts": [p["prompt_token_ids"] for p in prompts],
             "max_model_len": args.prompt_len + args.new_tokens + 16}
+    if mode != "plain":
+        steps, topk, _ = SPEC_SHAPES[mode]
+        assert topk == 1, "vLLM verifies chains only"
+        spec["speculative"] = {"model": str(ckpt["draft"]), "num_speculative_tokens": steps}
     cmd = [str(python), str(REPO / "benchmarks" / "vllm_runner.py"), json.dumps(spec)]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = vllm_env(venv)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.vllm_timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -297,6 +316,7 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
         hf = bench_decode.load_transformers(ckpt["target"], dtype)
     rows: list[dict] = []
     notes: list[str] = []
+    vllm_plain_results: list[dict] = []
     if not text_ids:
         notes.append("transformers and vLLM: not run on this checkpoint (image prompts / text prompts of the demo)")
     for batch in sorted(set(batch_sizes + hf_batches)):
@@ -327,19 +347,30 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
                                    "read_gbps": read_gbps, "step_over_floor": step_ms / floor["mem_floor_ms"]}
             rows.append(row)
             print(_row_line(name, row), flush=True)
-    if args.vllm_batch_sizes and text_ids:
-        vllm = run_vllm(args.vllm_venv, ckpt, prompts_all, _ints(args.vllm_batch_sizes), args)
+    vllm_modes = [m for m in ("plain", "chain") if m == "plain" or m in modes]
+    for vllm_mode in vllm_modes if args.vllm_batch_sizes and text_ids else []:
+        vllm = run_vllm(args.vllm_venv, ckpt, prompts_all, _ints(args.vllm_batch_sizes), args, vllm_mode)
         if "skipped" in vllm:
-            notes.append(f"vLLM-CPU skipped: {vllm['skipped']}")
-            print(f"[{name}] vLLM-CPU skipped: {vllm['skipped']}", flush=True)
-        else:
-            for res in vllm["results"]:
-                row = {"engine": "vllm", "mode": "plain", "batch": res["batch"], "repeats": len(res["runs"]),
-                       "tokens_per_s": res["tokens_per_s"], "ttft_ms": res["ttft_ms"], "itl_ms": res["itl_ms"],
-                       "tokens_per_s_runs": [r["decode_tok_s"] for r in res["runs"]],
-                       "vllm_version": vllm["vllm_version"]}
-                rows.append(row)
-                print(_row_line(name, row), flush=True)
+            label = "vLLM-CPU" if vllm_mode == "plain" else f"vLLM-CPU EAGLE-3 {vllm_mode}"
+            notes.append(f"{label} skipped: {vllm['skipped']}")
+            print(f"[{name}] {label} skipped: {vllm['skipped']}", flush=True)
+            if vllm_python(args.vllm_venv) is None:
+                break
+            continue
+        plain_tokens = {r["batch"]: r["tokens"] for r in vllm_plain_results}
+        for res in vllm["results"]:
+            row = {"engine": "vllm", "mode": vllm_mode, "batch": res["batch"], "repeats": len(res["runs"]),
+                   "tokens_per_s": res["tokens_per_s"], "ttft_ms": res["ttft_ms"], "itl_ms": res["itl_ms"],
+                   "tokens_per_s_runs": [r["decode_tok_s"] for r in res["runs"]],
+                   "vllm_version": vllm["vllm_version"]}
+            if "accept_length" in res:
+                row.update(accept_length=res["accept_length"], per_position_acceptance=res["per_position_acceptance"])
+            if res["batch"] in plain_tokens:
+                row["same_tokens_as_vllm_plain"] = res["tokens"] == plain_tokens[res["batch"]]
+            rows.append(row)
+            print(_row_line(name, row), flush=True)
+        if vllm_mode == "plain":
+            vllm_plain_results = vllm["results"]
     add_ratios(rows)
     del engines, hf
     gc.collect()
@@ -348,18 +379,21 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """eaglet (each mode) over each peer at the same batch size, and each mode over eaglet plain."""
+    """Each speculative mode over its own engine's plain decoding (``over_eaglet_plain`` /
+    ``over_vllm_plain``), and each eaglet row over each peer at the same batch size: the peer's same
+    mode where it ran it (eaglet chain vs vLLM EAGLE-3 chain), else the peer's plain decoding."""
     by_key = {(r["engine"], r["mode"], r["batch"]): r for r in rows}
     for row in rows:
+        plain = by_key.get((row["engine"], "plain", row["batch"]))
+        if plain is not None and row["engine"] in ("eaglet", "vllm"):
+            row[f"over_{row['engine']}_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
         if row["engine"] != "eaglet":
             continue
-        plain = by_key.get(("eaglet", "plain", row["batch"]))
-        if plain is not None:
-            row["over_eaglet_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
         for peer in ("transformers", "vllm"):
-            other = by_key.get((peer, "plain", row["batch"]))
+            other = by_key.get((peer, row["mode"], row["batch"])) or by_key.get((peer, "plain", row["batch"]))
             if other is not None:
                 row[f"over_{peer}"] = row["tokens_per_s"] / other["tokens_per_s"]
+                row[f"over_{peer}_mode"] = other["mode"]
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -373,9 +407,10 @@ HEADER = (f"{'checkpoint':<14} {'engine':<12} {'mode':<6} {'B':>3} | {'tok/s':>8
 def _row_line(name: str, r: dict) -> str:
     roof = r.get("roofline", {})
     share = r.get("phase_share", {})
+    own_plain = r.get(f"over_{r['engine']}_plain")
     return (f"{name:<14} {r['engine']:<12} {r['mode']:<6} {r['batch']:>3} | {r['tokens_per_s']:>8.1f} "
             f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.2f} | {_fmt(r.get('accept_length'), '6.2f'):>6} "
-            f"{_fmt(share.get('bookkeeping'), '8.1%'):>8} | {_fmt(r.get('over_eaglet_plain'), '6.2f'):>6} "
+            f"{_fmt(share.get('bookkeeping'), '8.1%'):>8} | {_fmt(own_plain, '6.2f'):>6} "
             f"{_fmt(r.get('over_transformers'), '6.2f'):>6} {_fmt(r.get('over_vllm'), '6.2f'):>6} | "
             f"{_fmt(roof.get('achieved_gbps'), '6.1f'):>6} {_fmt(roof.get('step_over_floor'), '6.2f'):>6}")
 
@@ -394,8 +429,9 @@ def print_table(record: dict) -> None:
             print(f"  note ({ck['checkpoint']}): {note}")
     print("\ncolumns: tok/s = decode tokens/s (tokens after each request's first / decode time); TTFT = start to "
           "every request holding a token; ITL = decode time / (new_tokens - 1); accept = accept length (bonus "
-          "included); bookkeep = share of a speculative round outside the draft and verify forwards; /plain, /HF, "
-          "/vLLM = tok/s over eaglet plain, transformers, vLLM at that batch size; GB/s = bytes a plain decode step "
+          "included); bookkeep = share of a speculative round outside the draft and verify forwards; /plain = tok/s "
+          "over the same engine's plain decoding; /HF, /vLLM = eaglet tok/s over transformers, vLLM at that batch "
+          "size (vLLM's EAGLE-3 chain for eaglet's chain rows, its plain decoding otherwise); GB/s = bytes a plain decode step "
           "must read / step time; /floor = step time / (those bytes / read bandwidth)")
 
 
@@ -424,7 +460,7 @@ def plot(record: dict, out: Path) -> None:
             if "per_position_acceptance" in r:
                 acc = r["per_position_acceptance"]
                 ax_acc.plot(range(1, len(acc) + 1), acc, marker="o",
-                            label=f"{r['mode']} B={r['batch']} (accept {r['accept_length']:.2f})")
+                            label=f"{r['engine']} {r['mode']} B={r['batch']} (accept {r['accept_length']:.2f})")
         ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax_acc.set_xlabel("draft position")
         ax_acc.set_ylabel("acceptance rate")

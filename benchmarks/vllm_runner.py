@@ -5,7 +5,12 @@ venv) and reads one JSON object from the last line of its stdout; everything els
 logs) goes to stderr. It imports nothing from eaglet, since that venv has its own torch.
 
     ~/.cache/eaglet/vllm-venv/bin/python benchmarks/vllm_runner.py '{"model": "/ckpt", "dtype": "float32",
-        "prompts": [[5, 6, 7]], "batch_sizes": [1], "new_tokens": 16, "repeats": 3}'
+        "prompts": [[5, 6, 7]], "batch_sizes": [1], "new_tokens": 16, "repeats": 3,
+        "speculative": {"model": "/draft", "num_speculative_tokens": 3}}'
+
+With ``speculative``, vLLM runs EAGLE-3 (``method: eagle3``) with that draft; each result then also
+carries the accept length (bonus included) and per-position acceptance of its timed runs, from
+vLLM's own ``spec_decode`` counters.
 
 Per batch size and repeat: one ``generate`` with ``max_tokens=1`` gives the time to first token
 (admission + prefill + one token), one with ``max_tokens=new_tokens`` the total; decode time =
@@ -41,6 +46,10 @@ def main(argv: list[str]) -> int:
     if dtype == "float32":
         # vLLM-CPU's default MLA backend on AMX machines (AMX_MLA) packs only 16-bit weights.
         extra["attention_backend"] = "CPU_MLA"
+    speculative = spec.get("speculative")
+    if speculative:
+        extra["speculative_config"] = {"method": "eagle3", "model": speculative["model"],
+                                       "num_speculative_tokens": int(speculative["num_speculative_tokens"])}
     llm = LLM(
         model=spec["model"],
         dtype=dtype,
@@ -49,6 +58,7 @@ def main(argv: list[str]) -> int:
         max_num_seqs=max(spec["batch_sizes"]),
         enforce_eager=bool(spec.get("enforce_eager", False)),
         seed=0,
+        disable_log_stats=not speculative,  # the spec_decode counters need stat logging
         **extra,
     )
 
@@ -60,6 +70,18 @@ def main(argv: list[str]) -> int:
         outs = llm.generate(inputs, params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
+    def spec_counters() -> tuple[float, float, list[float]]:
+        """(drafts, accepted tokens, accepted tokens per position) so far."""
+        drafts, accepted, per_pos = 0.0, 0.0, []
+        for metric in llm.get_metrics():
+            if metric.name == "vllm:spec_decode_num_drafts":
+                drafts = float(metric.value)
+            elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+                accepted = float(metric.value)
+            elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                per_pos = [float(v) for v in metric.values]
+        return drafts, accepted, per_pos
+
     results = []
     for batch in spec["batch_sizes"]:
         prompts = spec["prompts"][:batch]
@@ -68,19 +90,36 @@ def main(argv: list[str]) -> int:
         tokens: list[list[int]] = []
         for _ in range(int(spec.get("repeats", 3))):
             ttft, _ = timed(prompts, 1)
+            counters_before = spec_counters() if speculative else None
             total, tokens = timed(prompts, new_tokens)
             decode_s = max(total - ttft, 1e-9)
-            runs.append({"ttft_ms": 1e3 * ttft, "total_s": total, "decode_s": decode_s,
-                         "decode_tok_s": batch * (new_tokens - 1) / decode_s,
-                         "itl_ms": 1e3 * decode_s / (new_tokens - 1)})
-        results.append({
+            run = {"ttft_ms": 1e3 * ttft, "total_s": total, "decode_s": decode_s,
+                   "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+                   "itl_ms": 1e3 * decode_s / (new_tokens - 1)}
+            if counters_before is not None:
+                drafts0, accepted0, per_pos0 = counters_before
+                drafts1, accepted1, per_pos1 = spec_counters()
+                drafts = max(drafts1 - drafts0, 1.0)
+                run["accept_length"] = 1.0 + (accepted1 - accepted0) / drafts
+                run["per_position_acceptance"] = [
+                    (b - a) / drafts for a, b in zip(per_pos0 or [0.0] * len(per_pos1), per_pos1)
+                ]
+            runs.append(run)
+        result = {
             "batch": batch,
             "tokens_per_s": statistics.median(r["decode_tok_s"] for r in runs),
             "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
             "itl_ms": statistics.median(r["itl_ms"] for r in runs),
             "runs": runs,
             "tokens": tokens,
-        })
+        }
+        if speculative:
+            result["accept_length"] = statistics.median(r["accept_length"] for r in runs)
+            result["per_position_acceptance"] = [
+                statistics.median(r["per_position_acceptance"][k] for r in runs)
+                for k in range(len(runs[0]["per_position_acceptance"]))
+            ]
+        results.append(result)
     import torch
 
     record = {"engine": "vllm", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
