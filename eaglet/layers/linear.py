@@ -38,7 +38,7 @@ def pack_weight(weight: torch.Tensor) -> None:
     """Attaches a oneDNN-blocked copy of a bfloat16 [out, in] weight, which ``linear`` then uses.
 
     On CPUs with AMX / AVX512-BF16, F.linear reorders a bfloat16 weight on every call; the packed
-    copy runs the same GEMM (bit-identical results, tests/test_layer_fast_paths.py) about 2x faster
+    copy runs the same GEMM (bit-identical results, tests/test_layer_fast_paths.py) 1.1-2.1x faster
     for decode-sized batches (benchmarks/bench_linear.py). It costs a second copy of the weight. A
     weight changed in place afterwards (an optimizer step) bumps its version and is read directly again.
     """
