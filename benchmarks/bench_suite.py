@@ -68,12 +68,6 @@ KIMI_TEXT = dict(
     n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
 )
 KIMI_IMAGE_TOKEN = 250
-DEMO_PROMPTS = (
-    "The capital of France is",
-    "Write a short poem about the sea.",
-    "Explain what a cache is in one sentence.",
-    "List three colours:",
-)
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,7 +93,7 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
     if name == "demo":
         from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
 
-        return {"target": DEMO_TARGET_DIR, "draft": DEMO_DRAFT_DIR, "dtype": "auto", "images": False, "echo": False}
+        return {"target": DEMO_TARGET_DIR, "draft": DEMO_DRAFT_DIR, "dtype": "auto", "images": True, "echo": False}
     full = size == "full"
     if name.startswith("deepseek"):
         target = workdir / f"deepseek-{size}-alpha{alpha}"
@@ -126,10 +120,14 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
 
 
 def make_prompts(ckpt: dict, llm, batch: int, prompt_len: int) -> list:
-    """``batch`` distinct prompts: token ids (one image each for Kimi), or tokenized text (demo)."""
+    """``batch`` distinct prompts: token ids (one image each for Kimi); for the demo, held-out scene
+    description requests in its chat format (tools/demo/evaluate.py), the task its draft was
+    measured on, each answered until its own end of turn."""
     vocab = llm.engine.model_config.text.vocab_size
-    if not ckpt["echo"] and llm.engine.tokenizer is not None:
-        return [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] + " " * (i // len(DEMO_PROMPTS)) for i in range(batch)]
+    if not ckpt["echo"]:
+        from tools.demo.evaluate import held_out_prompts
+
+        return held_out_prompts(batch, seed=1, kinds=("describe",))
     ids = bench_decode.make_prompts(batch, prompt_len, vocab)
     if not ckpt["images"]:
         return [{"prompt_token_ids": p} for p in ids]
@@ -160,8 +158,10 @@ def load_eaglet(ckpt: dict, mode: str, adaptive: bool):
     return LLM(model=str(ckpt["target"]), **kwargs)
 
 
-def run_eaglet(llm, prompts: list, new_tokens: int) -> dict:
-    """Drives engine.step(); TTFT = until every request holds a token, decode = the steps after."""
+def run_eaglet(llm, prompts: list, new_tokens: int, ignore_eos: bool = True) -> dict:
+    """Drives engine.step(); TTFT = until every request holds a token, decode = the steps after.
+    With ``ignore_eos`` every request makes ``new_tokens`` (the echo checkpoints); without (the
+    demo), each stops at its end of turn, and tokens/s counts the tokens actually made."""
     from eaglet import SamplingParams
 
     engine = llm.engine
@@ -169,7 +169,7 @@ def run_eaglet(llm, prompts: list, new_tokens: int) -> dict:
     if worker is not None:
         worker.timer.__init__()
     before = llm.spec_metrics()
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
     gc.collect()
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
@@ -184,11 +184,12 @@ def run_eaglet(llm, prompts: list, new_tokens: int) -> dict:
     end = time.perf_counter()
     by_id = {o.request_id: o.token_ids for o in finished if o.finished}
     decode_s = max(end - first, 1e-9)
+    made = sum(len(by_id[i]) for i in ids)
     run = {
         "ttft_ms": 1e3 * (first - start),
         "decode_s": decode_s,
-        "decode_tok_s": (len(prompts) * new_tokens - first_tokens) / decode_s,
-        "itl_ms": 1e3 * decode_s / max(1, new_tokens - 1),
+        "decode_tok_s": (made - first_tokens) / decode_s,
+        "itl_ms": 1e3 * decode_s / max(1, made / len(prompts) - 1),
         "tokens": [list(by_id[i]) for i in ids],
     }
     if before is not None:
@@ -211,7 +212,7 @@ def roofline(llm, prompts: list, new_tokens: int, prompt_len: int, read_gbps: fl
     counter = bench_decode.ExpertCounter(model)
     with counter:
         counter.decode = True
-        run_eaglet(llm, prompts, min(new_tokens, 16))
+        run_eaglet(llm, prompts, min(new_tokens, 16), ignore_eos=True)
     text = llm.engine.model_config.text
     return bench_decode.step_floor(model, text, dtype, len(prompts), prompt_len + new_tokens / 2,
                                    counter.mean_distinct(), read_gbps, gemm_gflops=float("inf"))
@@ -326,13 +327,17 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
             contenders.update({f"eaglet/{m}": llm for m, llm in engines.items()})
         if hf is not None and batch in hf_batches:
             contenders["transformers/plain"] = hf
+        def run_one(key: str, engine, new_tokens: int) -> dict:
+            if key.startswith("transformers"):
+                return run_transformers(engine, prompts, new_tokens)
+            return run_eaglet(engine, prompts, new_tokens, ignore_eos=ckpt["echo"])
+
         for key, engine in contenders.items():  # untimed warm-up (allocator, kernels, first-call paths)
-            (run_transformers if key.startswith("transformers") else run_eaglet)(engine, prompts, min(8, args.new_tokens))
+            run_one(key, engine, min(8, args.new_tokens))
         runs: dict[str, list[dict]] = {k: [] for k in contenders}
         for _ in range(args.repeats):
             for key, engine in contenders.items():
-                fn = run_transformers if key.startswith("transformers") else run_eaglet
-                runs[key].append(fn(engine, prompts, args.new_tokens))
+                runs[key].append(run_one(key, engine, args.new_tokens))
         plain_tokens = runs["eaglet/plain"][0]["tokens"] if "eaglet/plain" in runs else None
         for key, key_runs in runs.items():
             engine_name, mode = key.split("/")
