@@ -364,7 +364,7 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
             if vllm_python(args.vllm_venv) is None:
                 break
             continue
-        plain_tokens = {r["batch"]: r["tokens"] for r in vllm_plain_results}
+        vllm_plain_tokens = {r["batch"]: r["tokens"] for r in vllm_plain_results}
         for res in vllm["results"]:
             row = {"engine": "vllm", "mode": vllm_mode, "batch": res["batch"], "repeats": len(res["runs"]),
                    "tokens_per_s": res["tokens_per_s"], "ttft_ms": res["ttft_ms"], "itl_ms": res["itl_ms"],
@@ -372,8 +372,8 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
                    "vllm_version": vllm["vllm_version"]}
             if "accept_length" in res:
                 row.update(accept_length=res["accept_length"], per_position_acceptance=res["per_position_acceptance"])
-            if res["batch"] in plain_tokens:
-                row["same_tokens_as_vllm_plain"] = res["tokens"] == plain_tokens[res["batch"]]
+            if res["batch"] in vllm_plain_tokens:
+                row["same_tokens_as_vllm_plain"] = res["tokens"] == vllm_plain_tokens[res["batch"]]
             rows.append(row)
             print(_row_line(name, row), flush=True)
         if vllm_mode == "plain":

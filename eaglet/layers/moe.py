@@ -83,13 +83,15 @@ class RoutedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
-        # Per-expert views of w13 / w2 made once (packable_weights), so packed copies stay attached.
+        # Per-expert views of w13 / w2, made once after loading so that packed copies stay attached.
         self.w13_per_expert: list[torch.Tensor] = []
         self.w2_per_expert: list[torch.Tensor] = []
 
+    def process_weights_after_loading(self) -> None:
+        self.w13_per_expert = list(self.w13.detach().unbind(0))
+        self.w2_per_expert = list(self.w2.detach().unbind(0))
+
     def packable_weights(self) -> list[torch.Tensor]:
-        self.w13_per_expert = [self.w13.detach()[e] for e in range(self.num_experts)]
-        self.w2_per_expert = [self.w2.detach()[e] for e in range(self.num_experts)]
         return self.w13_per_expert + self.w2_per_expert
 
     def _expert(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
