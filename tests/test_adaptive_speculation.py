@@ -74,6 +74,31 @@ def test_policy_recovers_from_a_bad_first_measurement_and_keeps_buckets_apart():
     assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {2: 3, 64: 0}
 
 
+def test_a_new_bucket_starts_from_its_learned_neighbour():
+    policy = chain_policy()
+    run_policy(policy, 1, cost=lambda level: 0.010 + 0.002 * level, accepted=lambda level: level, steps=20)
+    # Batch 2: twice the per-step cost, same ordering. It measures only the neighbour's best depth
+    # and plain decoding, then runs the best depth (no trial of depths 1 and 2).
+    chosen = run_policy(policy, 2, cost=lambda level: 0.020 + 0.004 * level, accepted=lambda level: level, steps=15)
+    assert chosen[:4] == [3, 3, 0, 0]
+    assert chosen[4:15] == [3] * 11
+    # A bucket where speculation does not pay: the same two measurements switch it off at once.
+    chosen = run_policy(policy, 64, cost=lambda level: 0.010 * (1 if level == 0 else 6), accepted=lambda level: 0, steps=15)
+    assert chosen[:4] == [3, 3, 0, 0]
+    assert chosen[4:15] == [0] * 11
+
+
+def test_estimates_borrowed_from_a_neighbour_are_corrected_by_probes():
+    policy = chain_policy(probe_interval=4)
+    run_policy(policy, 1, cost=lambda level: 0.010 + 0.002 * level, accepted=lambda level: 1, steps=20)
+    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {1: 1}
+    # At batch 8 depth 2 is cheap (the neighbour says otherwise): probing measures it and keeps it.
+    costs = {0: 0.010, 1: 0.016, 2: 0.011, 3: 0.030}
+    chosen = run_policy(policy, 8, cost=costs.__getitem__, accepted=lambda level: min(level, 1) + (level >= 2), steps=120)
+    tail = chosen[80:]
+    assert max(set(tail), key=tail.count) == 2
+
+
 def test_pinned_or_fixed_policy_keeps_the_configured_shape():
     policy = chain_policy()
     assert all(policy.choose(8, pinned=True) == 3 for _ in range(10))

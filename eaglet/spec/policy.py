@@ -8,9 +8,14 @@ of a decode step (robust to a slow first step and to a busy machine's outliers).
 that drafted at least j steps and accepted at least j tokens, so the expected tokens of a round at
 level s are ``1 + sum(rate[1..s])`` (shallower rounds are the truncations of deeper ones).
 
-Each bucket first measures every level ``min_samples`` times, then uses the best estimate, and
-every ``probe_interval`` steps re-measures one of the other levels (in turn) so that a bad early
-measurement, or a change in load or in acceptance, is noticed.
+The first bucket measures every level ``min_samples`` times, then uses the best estimate. A later
+bucket starts from the nearest bucket that has measured every level (ragged finishing walks a
+burst of requests down through the buckets, and each would otherwise spend its first steps on
+trials): it measures that bucket's best level and plain decoding itself, and estimates the other
+levels from the neighbour's costs scaled by the ratio of its own costs to the neighbour's on the
+levels both measured. Every bucket re-measures one of its other levels (in turn) every
+``probe_interval`` steps, so that a bad early measurement, a poor estimate, or a change in load or
+in acceptance is noticed.
 """
 
 from __future__ import annotations
@@ -68,18 +73,22 @@ class SpeculationPolicy:
         configured shape, e.g. while a seeded sampled request runs, so its output stays reproducible."""
         if pinned or not self.adaptive:
             return self.max_level
-        bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket())
+        size = _bucket_of(batch_size)
+        bucket = self.buckets.setdefault(size, _Bucket())
         bucket.decisions += 1
-        untried = [level for level in self._levels_in_trial_order() if len(bucket.seconds.get(level, ())) < self.min_samples]
+        neighbour = self._nearest_learned_bucket(size)
+        if neighbour is None:
+            must_measure = self._levels_in_trial_order()
+        else:
+            must_measure = [self._best_level(neighbour, {}), 0]
+        untried = [level for level in must_measure if len(bucket.seconds.get(level, ())) < self.min_samples]
         if untried:
             return untried[0]
-        best = max(bucket.seconds, key=lambda level: self.tokens_per_second(bucket, level))
+        estimates = self._step_seconds(bucket, neighbour)
+        best = self._best_level(bucket, estimates)
         if best != bucket.best:
             if bucket.best is not None:
-                logger.info(
-                    "speculation at batch <= %d: draft depth %s -> %s", _bucket_of(batch_size),
-                    _level_name(bucket.best), _level_name(best),
-                )
+                logger.info("speculation at batch <= %d: draft depth %s -> %s", size, _level_name(bucket.best), _level_name(best))
             bucket.best = best
         if bucket.decisions % self.probe_interval == 0:
             others = [level for level in self._levels_in_trial_order() if level != best]
@@ -111,8 +120,32 @@ class SpeculationPolicy:
                 total += self.depth_accepts[depth] / self.depth_rounds[depth]
         return total
 
-    def tokens_per_second(self, bucket: _Bucket, level: int) -> float:
-        return self.expected_tokens(level) / max(statistics.median(bucket.seconds[level]), 1e-9)
+    def _step_seconds(self, bucket: _Bucket, neighbour: _Bucket | None) -> dict[int, float]:
+        """Per-request step time of every level: the bucket's own median where it has measured the
+        level ``min_samples`` times, else the neighbour's scaled by own / neighbour on shared levels."""
+        own = {level: statistics.median(s) for level, s in bucket.seconds.items() if len(s) >= self.min_samples}
+        if neighbour is None:
+            return own
+        theirs = {level: statistics.median(s) for level, s in neighbour.seconds.items() if s}
+        shared = [own[level] / theirs[level] for level in own if level in theirs and theirs[level] > 0]
+        scale = statistics.median(shared) if shared else 1.0
+        return {**{level: seconds * scale for level, seconds in theirs.items()}, **own}
+
+    def _best_level(self, bucket: _Bucket, estimates: dict[int, float]) -> int:
+        seconds = estimates or {level: statistics.median(s) for level, s in bucket.seconds.items() if s}
+        return max(seconds, key=lambda level: self.expected_tokens(level) / max(seconds[level], 1e-9))
+
+    def _nearest_learned_bucket(self, size: int) -> _Bucket | None:
+        """The closest other bucket (in powers of two) that has measured every level."""
+        levels = self._levels_in_trial_order()
+        learned = [
+            other for other, b in self.buckets.items()
+            if other != size and all(len(b.seconds.get(level, ())) >= self.min_samples for level in levels)
+        ]
+        if not learned:
+            return None
+        nearest = min(learned, key=lambda other: (abs(other.bit_length() - size.bit_length()), other))
+        return self.buckets[nearest]
 
     def _levels_in_trial_order(self) -> list[int]:
         return [self.max_level, 0, *range(self.max_level - 1, 0, -1)]
