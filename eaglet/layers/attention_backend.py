@@ -95,25 +95,45 @@ class TorchNativeMLABackend:
         q_latent = q_nope W_UK per head; scores over [latent | k_pe] keys; the probability-weighted
         latent goes through W_UV. The gathered keys, the key mask and the batch-to-token map are the
         same for every layer of a forward, so they are derived once per forward (``batch._memo``).
+
+        When every request has the same number n of new tokens (decode n = 1, verify, draft tree
+        steps), a request's n * H query rows attend to its keys in one batched product: the keys
+        are read once per request, not copied once per token.
         """
         latent = layer.kv_lora_rank
+        num_tokens, heads = q_nope.shape[0], layer.num_heads
+        batch_size = batch.batch_size
         max_len = max(batch.seq_lens_cpu)
         slots = self._slots(batch, max_len)  # [B * S]
         cached = self.pool.kv[layer.layer_id].index_select(0, slots)
-        cached = cached.view(batch.batch_size, max_len, -1).float()  # [B, S, L+R]
-        if batch.mode != ForwardMode.DECODE:
+        cached = cached.view(batch_size, max_len, -1).float()  # [B, S, L+R]
+        per_request = num_tokens // batch_size
+        grouped = batch.mode == ForwardMode.DECODE or self._uniform_new_tokens(batch)
+        if not grouped:
             cached = cached.index_select(0, batch.token_to_request())  # [T, S, L+R]
 
         q_latent = torch.bmm(q_nope.float().transpose(0, 1), layer.w_uk).transpose(0, 1)  # [T, H, L]
         q = torch.cat([q_latent, q_pe.float()], dim=-1)  # [T, H, L+R]
-        scores = torch.bmm(q, cached.transpose(1, 2))  # [T, H, S]
+        if grouped:
+            q = q.view(batch_size, per_request * heads, -1)  # [B, n*H, L+R]
+        scores = torch.bmm(q, cached.transpose(1, 2))  # [B, n*H, S] or [T, H, S]
         scores.mul_(layer.scaling)
         if not self._all_keys_visible(batch, max_len):
-            scores.masked_fill_(~batch.attention_mask(max_len)[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        o_latent = torch.bmm(probs, cached[:, :, :latent])  # [T, H, L]
+            mask = batch.attention_mask(max_len)  # [T, S]
+            if grouped:
+                scores = scores.view(batch_size, per_request, heads, max_len)
+                scores.masked_fill_(~mask.view(batch_size, per_request, 1, max_len), float("-inf"))
+            else:
+                scores.masked_fill_(~mask[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).view(q.shape[0], q.shape[1], max_len)
+        o_latent = torch.bmm(probs, cached[:, :, :latent]).view(num_tokens, heads, latent)  # [T, H, L]
         out = torch.bmm(o_latent.transpose(0, 1), layer.w_uv_t).transpose(0, 1)  # [T, H, V]
         return out.to(q_nope.dtype)
+
+    @staticmethod
+    def _uniform_new_tokens(batch: ForwardBatch) -> bool:
+        lens = batch.extend_seq_lens_cpu
+        return all(n == lens[0] for n in lens)
 
     def _slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:
         """Cache slots of row indices 0..max_len-1 of every request, flattened: [B * max_len]."""
