@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from eaglet.config import parse_text_config
 from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16
 from eaglet.layers.linear import SMALL_BATCH_ROWS, linear, pack_for_inference, pack_weight, should_pack
-from eaglet.layers.moe import MoE, SwiGLU
+from eaglet.layers.moe import DENSE_MAX_TOKENS, MoE, RoutedExperts, SwiGLU
 from eaglet.models.registry import resolve_dtype
 
 from checkpoints import tiny_text_config
@@ -58,10 +58,33 @@ def test_one_token_moe_path_matches_the_grouped_path():
     for module in moe.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    moe.experts.w13_t = moe.experts.w2_t = None  # these experts are small enough for the dense path
     tokens = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
     batched = moe(tokens)  # four tokens: the sort / grouped-matmul path
     for i in range(4):
         torch.testing.assert_close(moe(tokens[i : i + 1]), batched[i : i + 1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_experts, hidden, inter, dense", [(4, 32, 16, True), (8, 256, 256, False)])
+def test_dense_moe_path_for_small_experts_matches_the_routed_path(num_experts, hidden, inter, dense):
+    experts = RoutedExperts(num_experts, hidden, inter)
+    generator = torch.Generator().manual_seed(3)
+    experts.w13.data = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.1
+    experts.w2.data = torch.randn(num_experts, hidden, inter, generator=generator) * 0.1
+    experts.process_weights_after_loading()
+    assert (experts.w13_t is not None) == dense  # only experts that together fit in cache
+    for num_tokens in (1, 4, 16, DENSE_MAX_TOKENS + 1):
+        x = torch.randn(num_tokens, hidden, generator=generator)
+        expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:2] for _ in range(num_tokens)])
+        weights = torch.rand(num_tokens, 2, generator=generator)
+        with torch.inference_mode():
+            got = experts(x, weights, expert_ids)
+        expected = torch.zeros_like(x)
+        for t in range(num_tokens):
+            for e, w in zip(expert_ids[t].tolist(), weights[t].tolist()):
+                gate, up = F.linear(x[t], experts.w13.data[e]).chunk(2)
+                expected[t] += w * F.linear(F.silu(gate) * up, experts.w2.data[e])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_dtype_follows_native_bf16_support():

@@ -69,10 +69,19 @@ class NoAuxRouter(nn.Module):
         return weights * self.routed_scaling_factor, expert_ids
 
 
+DENSE_MAX_WEIGHT_BYTES = 1 << 20
+DENSE_MAX_TOKENS = 64
+
+
 class RoutedExperts(nn.Module):
     """All routed experts' SwiGLU weights stacked: w13 = [gate; up] per expert, w2 = down.
 
     Tokens are grouped by expert (one sort), then each active expert runs one matmul over its tokens.
+    When all experts together are small (at most ``DENSE_MAX_WEIGHT_BYTES``: they stay in cache) a
+    decode-sized batch instead runs every expert on every token in two batched matmuls and
+    combines them with the routing weights (zero for unchosen experts): the extra arithmetic costs
+    less than routing's sort / gather / scatter (2-3x faster for the demo model's 4 experts of
+    128 x 128 at 4-16 tokens, slower for 8 experts of 512 x 256; measured on CPU).
     The checkpoint stores each expert separately; :meth:`checkpoint_weights` maps those names onto
     slices of the stacked tensors.
     """
@@ -86,10 +95,17 @@ class RoutedExperts(nn.Module):
         # Per-expert views of w13 / w2, made once after loading so that packed copies stay attached.
         self.w13_per_expert: list[torch.Tensor] = []
         self.w2_per_expert: list[torch.Tensor] = []
+        # [E, hidden, 2 * inter] and [E, inter, hidden] copies for the dense path, when it applies.
+        self.w13_t: torch.Tensor | None = None
+        self.w2_t: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         self.w13_per_expert = list(self.w13.detach().unbind(0))
         self.w2_per_expert = list(self.w2.detach().unbind(0))
+        weight_bytes = (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
+        if weight_bytes <= DENSE_MAX_WEIGHT_BYTES:
+            self.w13_t = self.w13.detach().transpose(1, 2).contiguous()
+            self.w2_t = self.w2.detach().transpose(1, 2).contiguous()
 
     def packable_weights(self) -> list[torch.Tensor]:
         return self.w13_per_expert + self.w2_per_expert
@@ -110,6 +126,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = expert_ids.shape
+        if self.w13_t is not None and num_tokens <= DENSE_MAX_TOKENS and not torch.is_grad_enabled():
+            return self._forward_dense(x, weights, expert_ids)
         if num_tokens == 1:
             return self._forward_one_token(x, weights, expert_ids)
         flat_ids = expert_ids.reshape(-1)
@@ -131,6 +149,14 @@ class RoutedExperts(nn.Module):
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, sorted_out * sorted_w[:, None])
         return out
+
+    def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, hidden = x.shape
+        combine = torch.zeros(num_tokens, 1, self.num_experts, dtype=x.dtype)
+        combine.scatter_(2, expert_ids[:, None, :], weights[:, None, :].to(x.dtype))  # [T, 1, E]
+        gate, up = torch.bmm(x.expand(self.num_experts, num_tokens, hidden), self.w13_t).chunk(2, dim=-1)
+        expert_out = torch.bmm(F.silu(gate) * up, self.w2_t)  # [E, T, hidden]
+        return torch.bmm(combine, expert_out.transpose(0, 1)).squeeze(1)
 
     def _forward_one_token(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Batch-1 decode: the token's experts one after another, without the sort / gather / scatter.
