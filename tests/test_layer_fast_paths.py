@@ -87,6 +87,37 @@ def test_dense_moe_path_for_small_experts_matches_the_routed_path(num_experts, h
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_reference_formula_bit_for_bit(dtype):
+    from eaglet.layers.norms import RMSNorm
+
+    generator = torch.Generator().manual_seed(5)
+    for hidden in (7, 48, 128, 512, 7168):
+        norm = RMSNorm(hidden, 1e-6)
+        norm.weight.data = torch.randn(hidden, generator=generator).to(dtype)
+        for num_tokens in (1, 3, 16, 65):
+            x = (torch.randn(num_tokens, hidden, generator=generator) * 3).to(dtype)
+            x32 = x.float()  # DeepSeek-V3's RMSNorm, as transformers writes it
+            expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+            assert torch.equal(norm(x), expected)
+
+
+def test_rotating_query_and_key_together_equals_rotating_each():
+    from eaglet.config import RopeConfig
+    from eaglet.layers.rotary import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(6)
+    for interleave in (False, True):
+        rotary = RotaryEmbedding(8, RopeConfig(theta=10000.0, rope_type="default"), interleave)
+        positions = torch.tensor([0, 5, 9])
+        for dtype in (torch.float32, torch.bfloat16):
+            q_pe = torch.randn(3, 4, 8, generator=generator).to(dtype)
+            k_pe = torch.randn(3, 8, generator=generator).to(dtype)
+            cos, sin = rotary.cos_sin(positions)
+            q, k = rotary.rotate_query_and_key(q_pe, k_pe, *rotary.cos_sin_as(positions, dtype))
+            assert torch.equal(q, rotary(q_pe, cos, sin)) and torch.equal(k, rotary(k_pe, cos, sin))
+
+
 def test_auto_dtype_follows_native_bf16_support():
     assert auto_dtype(frozenset({"avx2", "fma"})) == torch.float32
     assert auto_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16

@@ -119,7 +119,6 @@ class MLAAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe = self.rotary(q_pe, cos, sin)
-        k_pe = self.rotary(k_pe, cos, sin)
+        q_pe, k_pe = self.rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
         attn = backend.forward(self, q_nope, q_pe, c_kv, k_pe, batch)  # [T, H, V]
         return linear(attn.reshape(num_tokens, self.num_heads * self.v_head_dim), self.o_proj.weight, self.o_proj.bias)

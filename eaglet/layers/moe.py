@@ -56,12 +56,13 @@ class NoAuxRouter(nn.Module):
         """Returns (weights [T, k] float32, expert ids [T, k])."""
         scores = F.linear(x.float(), self.weight).sigmoid()
         biased = scores + self.e_score_correction_bias
-        num_tokens, num_experts = biased.shape
-        grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-        biased = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(num_tokens, num_experts)
+        if self.topk_group < self.n_group:  # otherwise every group is kept
+            num_tokens, num_experts = biased.shape
+            grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+            biased = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(num_tokens, num_experts)
         expert_ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:

@@ -71,8 +71,23 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
+    def cos_sin_as(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` cast to the dtype of the tensors it rotates, once per forward rather than
+        in every layer (the same values ``forward`` would cast to)."""
+        cos, sin = self.cos_sin(positions)
+        return cos.to(dtype), sin.to(dtype)
+
+    def rotate_query_and_key(
+        self, q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's per-head q_pe [T, H, dim] and shared k_pe [T, dim], rotated in one call (k_pe as an
+        extra head: the same elementwise arithmetic, half the ops)."""
+        heads = q_pe.shape[1]
+        rotated = self(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
+        return rotated[:, :heads], rotated[:, heads]
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., dim]; cos/sin: [T, dim/2] (float32)."""
+        """x: [T, ..., dim]; cos/sin: [T, dim/2], float32 or already in x's dtype (``cos_sin_as``)."""
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         cos = cos.view(shape).to(x.dtype)
         sin = sin.view(shape).to(x.dtype)

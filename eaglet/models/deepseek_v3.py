@@ -62,7 +62,7 @@ class DeepseekV3Model(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, D], captured residual streams or None)."""
         hidden = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = self.rotary.cos_sin_as(batch.positions, hidden.dtype)
         captured: list[torch.Tensor] = []
         for layer_id, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, batch, backend)

@@ -468,7 +468,7 @@ class Eagle3Draft(nn.Module):
                 f"fed-back hidden is {hidden.shape[-1]} wide, the draft's hidden_size is {self.config.hidden_size}"
             )
         emb = batch.input_embeds if batch.input_embeds is not None else self.embed(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = self.rotary.cos_sin_as(batch.positions, self.fc.weight.dtype)
         hidden = self.midlayer(emb.to(hidden.dtype), hidden.to(self.fc.weight.dtype), cos, sin, batch, backend)
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
