@@ -34,7 +34,6 @@ from tools.demo.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
 
 FULL_VOCAB = 1024
 FULL_TARGET_STEPS = 4000
-FULL_SCHEDULE_SEGMENTS = ((1200, 2000), (2800, 2800))  # see TrainSettings.schedule_segments
 SMOKE_VOCAB = 400
 TOKENIZER_SCENES = 3000  # scenes whose questions/answers join the docs as tokenizer training text
 DRAFT_TTT_LENGTH = 5
@@ -70,7 +69,7 @@ def build_target(out_dir: Path, work_dir: Path, *, smoke: bool, steps: int, batc
     maker = tt.ExampleMaker(tokenizer, tt.make_image_processor(init_dir), corpus.docs_paragraphs())
     settings = tt.TrainSettings(steps=steps, batch_size=batch_size, seed=seed,
                                 warmup_steps=min(100, max(1, steps // 10)),
-                                schedule_segments=() if smoke else FULL_SCHEDULE_SEGMENTS)
+                                vision_pretrain_steps=4 if smoke else tt.TrainSettings.vision_pretrain_steps)
     (work_dir / "settings.json").write_text(json.dumps(tt.settings_dict(size, settings), indent=2) + "\n")
     began = time.monotonic()
     done = tt.train_target(model, maker, settings, work_dir, log=log, max_minutes=max_minutes)
@@ -157,9 +156,11 @@ def build_draft(out_dir: Path, work_dir: Path, *, smoke: bool, num_prompts: int,
     target_dir = out_dir / "target"
     train_dir = work_dir / "draft_train"
     num_layers = json.loads((target_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
-    # The last three layers ("output of" ids): with only four target layers the usual
-    # [1, N//2-1, N-4] would repeat a layer and leave out the most predictive one.
-    aux_layer_ids = tuple(max(0, num_layers - 3 + i) for i in range(3))
+    # "Output of" ids: a low, a middle and the last layer. The usual [1, N//2-1, N-4] is meant for
+    # targets of 30-60 layers; in a 12-layer target N-4 leaves a third of the network for the
+    # one-layer draft to redo, and the last layer's output is the most predictive feature.
+    aux_layer_ids = ((1, num_layers // 2 - 1, num_layers - 1) if num_layers >= 6
+                     else tuple(max(0, num_layers - 3 + i) for i in range(3)))
     config = TrainDraftConfig(
         target=str(target_dir),
         prompts=draft_prompts(num_prompts, seed),
@@ -230,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if "export" in stages:
         export_saved_state(args.out / "target", work, log=log)
     if "draft" in stages:
-        build_draft(args.out, work, smoke=args.smoke, num_prompts=args.draft_prompts or (8 if args.smoke else 1200),
-                    epochs=args.draft_epochs or (1 if args.smoke else 4), seed=args.seed, log=log)
+        build_draft(args.out, work, smoke=args.smoke, num_prompts=args.draft_prompts or (8 if args.smoke else 4000),
+                    epochs=args.draft_epochs or (1 if args.smoke else 6), seed=args.seed, log=log)
     return 0
 
 

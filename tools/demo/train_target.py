@@ -39,7 +39,7 @@ from tools.demo.tokenizer import IM_END, MEDIA_PAD, PAD, special_token_id, user_
 @dataclass(frozen=True)
 class TargetSize:
     hidden_size: int = 128
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 12
     num_attention_heads: int = 4
     q_lora_rank: int = 64
     kv_lora_rank: int = 48
@@ -131,6 +131,7 @@ class Example:
     loss_mask: list[bool]  # True where the token is predicted (assistant answer incl. <|im_end|>)
     pixel_values: torch.Tensor | None  # [patches, 3, p, p]
     grid_thw: tuple[int, int, int] | None
+    scene_labels: tuple[list[int], list[int]] | None = None  # see scene_labels()
 
 
 # Relative frequencies of the training tasks.
@@ -176,6 +177,7 @@ class ExampleMaker:
     def example(self, rng: random.Random) -> Example:
         kinds = list(TASK_WEIGHTS)
         kind = rng.choices(kinds, weights=[TASK_WEIGHTS[k] for k in kinds])[0]
+        labels = None
         if kind == "docs":
             prompt, answer = docs_prompt_and_answer(self.docs, rng)
             ids = self.tokenizer.encode(user_prompt(prompt, with_image=False), add_special_tokens=False).ids
@@ -185,8 +187,21 @@ class ExampleMaker:
             qa = scenes.question_about(scene, kind, rng)
             ids, pixels, grid = self.scene_prompt(scene, qa.question)
             answer = qa.answer
+            labels = scene_labels(scene)
         answer_ids = self.tokenizer.encode(answer + IM_END, add_special_tokens=False).ids
-        return Example(ids + answer_ids, [False] * len(ids) + [True] * len(answer_ids), pixels, grid)
+        return Example(ids + answer_ids, [False] * len(ids) + [True] * len(answer_ids), pixels, grid, labels)
+
+    def scene_batch(self, rng: random.Random, count: int) -> dict[str, torch.Tensor]:
+        """Images only, with their scene labels (the vision pretraining batches)."""
+        drawn = [scenes.random_scene(rng) for _ in range(count)]
+        processed = self.image_processor([scenes.render_scene(scene) for scene in drawn])
+        labels = [scene_labels(scene) for scene in drawn]
+        return {
+            "pixel_values": processed.pixel_values,
+            "image_grid_thw": processed.grid_thws.to(torch.long),
+            "shape_labels": torch.tensor([shape for shape, _ in labels]),
+            "colour_labels": torch.tensor([colour for _, colour in labels]),
+        }
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
@@ -204,16 +219,104 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     if with_image:
         batch["pixel_values"] = torch.cat([e.pixel_values for e in with_image])
         batch["image_grid_thw"] = torch.tensor([e.grid_thw for e in with_image], dtype=torch.long)
+        batch["shape_labels"] = torch.tensor([e.scene_labels[0] for e in with_image])
+        batch["colour_labels"] = torch.tensor([e.scene_labels[1] for e in with_image])
     return batch
 
 
+LABEL_KEYS = ("loss_mask", "shape_labels", "colour_labels")
+
+
 def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    inputs = {k: v for k, v in batch.items() if k != "loss_mask"}
+    inputs = {k: v for k, v in batch.items() if k not in LABEL_KEYS}
     hidden = model.model(**inputs, use_cache=False).last_hidden_state
     # position t predicts token t+1; the lm_head runs only where token t+1 belongs to an answer
     target_mask = batch["loss_mask"][:, 1:]
     logits = model.lm_head(hidden[:, :-1][target_mask])
     return F.cross_entropy(logits.float(), batch["input_ids"][:, 1:][target_mask])
+
+
+# ------------------------------------------------------------------------------------------
+# the scene probe: a training-only read-out that teaches the vision tower to see shapes
+# ------------------------------------------------------------------------------------------
+
+PROBE_POSITIONS = tuple(sorted(scenes.POSITIONS))
+PROBE_SHAPES = scenes.SHAPES
+PROBE_COLOURS = tuple(sorted(scenes.COLOURS))
+
+
+def scene_labels(scene: scenes.Scene) -> tuple[list[int], list[int]]:
+    """Per named position (PROBE_POSITIONS order): the index of the shape and of the colour there,
+    or len(PROBE_SHAPES) / len(PROBE_COLOURS) where the position is empty."""
+    shapes = [len(PROBE_SHAPES)] * len(PROBE_POSITIONS)
+    colours = [len(PROBE_COLOURS)] * len(PROBE_POSITIONS)
+    for obj in scene.objects:
+        at = PROBE_POSITIONS.index(obj.position)
+        shapes[at] = PROBE_SHAPES.index(obj.shape)
+        colours[at] = PROBE_COLOURS.index(obj.colour)
+    return shapes, colours
+
+
+class SceneProbe(torch.nn.Module):
+    """A linear read-out of the shape and colour at each named position from a training scene's
+    merged image features (the projector's output, all tokens of the image together).
+
+    From the language loss alone the tower barely learns shapes: a linear probe fitted to the
+    features of a tower trained that way found 49% of the shapes, and the target named 32.5% of
+    them right (chance 25%). Trained directly, the same tower finds them almost all within a few
+    hundred steps. So the probe's loss trains the tower first (``vision_pretrain_steps``) and then
+    goes on beside the language loss. The probe is not part of the exported model."""
+
+    def __init__(self, image_tokens: int, hidden_size: int) -> None:
+        super().__init__()
+        self.image_tokens = image_tokens
+        self.shape_logits = torch.nn.Linear(image_tokens * hidden_size, len(PROBE_POSITIONS) * (len(PROBE_SHAPES) + 1))
+        self.colour_logits = torch.nn.Linear(image_tokens * hidden_size, len(PROBE_POSITIONS) * (len(PROBE_COLOURS) + 1))
+
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """Cross-entropy of the batch's images against their scene labels, and the share of the
+        objects whose shape the probe names right."""
+        features = model.model.get_image_features(
+            pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"]).pooler_output
+        features = torch.stack(list(features)).flatten(1).float()  # [images, tokens * hidden]
+        shape_logits = self.shape_logits(features).reshape(-1, len(PROBE_SHAPES) + 1)
+        colour_logits = self.colour_logits(features).reshape(-1, len(PROBE_COLOURS) + 1)
+        shape_labels = batch["shape_labels"].reshape(-1)
+        loss = F.cross_entropy(shape_logits, shape_labels) + F.cross_entropy(colour_logits, batch["colour_labels"].reshape(-1))
+        present = shape_labels < len(PROBE_SHAPES)
+        shape_accuracy = (shape_logits.argmax(-1)[present] == shape_labels[present]).float().mean().item()
+        return loss, shape_accuracy
+
+
+def make_probe(model: torch.nn.Module, maker: ExampleMaker) -> SceneProbe:
+    sample = maker.scene_batch(random.Random("probe-size"), 1)
+    tokens = int(sample["image_grid_thw"][0].prod()) // 4  # 2 x 2 patch merge
+    return SceneProbe(tokens, model.config.text_config.hidden_size)
+
+
+def pretrain_vision(model: torch.nn.Module, probe: SceneProbe, maker: ExampleMaker, settings: "TrainSettings",
+                    *, log: callable = print) -> float:
+    """Trains the vision tower, the projector and the probe on scene images alone; returns the
+    probe's shape accuracy on held-out scenes."""
+    params = [*model.model.vision_tower.parameters(), *model.model.mm_projector.parameters(), *probe.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    for step in range(settings.vision_pretrain_steps):
+        batch = maker.scene_batch(random.Random(f"{settings.seed}-vision-{step}"), settings.batch_size)
+        loss, accuracy = probe(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        if (step + 1) % 100 == 0:
+            log(f"vision step {step + 1}/{settings.vision_pretrain_steps} probe loss {loss.item():.4f} "
+                f"shape accuracy {accuracy:.3f}")
+    return probe_accuracy(model, probe, maker)
+
+
+def probe_accuracy(model: torch.nn.Module, probe: SceneProbe, maker: ExampleMaker) -> float:
+    with torch.no_grad():
+        _, accuracy = probe(model, maker.scene_batch(random.Random("probe-held-out"), 256))
+    return accuracy
 
 
 # ------------------------------------------------------------------------------------------
@@ -230,17 +333,14 @@ class TrainSettings:
     grad_clip: float = 1.0
     checkpoint_every: int = 200
     seed: int = 0
-    # (until_step, horizon): steps before until_step follow the cosine schedule of a run of
-    # `horizon` steps; later steps follow `steps`. Records how the shipped run was extended twice
-    # while training (each extension resumed from a checkpoint), so a rebuild repeats it exactly.
-    schedule_segments: tuple[tuple[int, int], ...] = ()
+    vision_pretrain_steps: int = 800
+    probe_loss_weight: float = 0.5  # the scene probe's loss beside the language loss
 
 
 def learning_rate(settings: TrainSettings, step: int) -> float:
     if step < settings.warmup_steps:
         return settings.lr * (step + 1) / settings.warmup_steps
-    horizon = next((h for until, h in settings.schedule_segments if step < until), settings.steps)
-    progress = (step - settings.warmup_steps) / max(1, horizon - settings.warmup_steps)
+    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -263,24 +363,33 @@ def train_target(
     log: callable = print,
     max_minutes: float | None = None,
 ) -> int:
-    """Trains in place; resumes from ``work_dir/train_state.pt`` when present. Batch ``s`` is
-    drawn from an RNG seeded with (seed, s), so a resumed run sees the same data. Returns the
-    number of steps done."""
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=(0.9, 0.95),
-        weight_decay=settings.weight_decay,
-    )
+    """Trains in place: the vision pretraining with the scene probe, then the language loss plus
+    the probe's. Resumes from ``work_dir/train_state.pt`` when present. Batch ``s`` is drawn from
+    an RNG seeded with (seed, s), so a resumed run sees the same data. Returns the number of
+    language-training steps done."""
+    probe = make_probe(model, maker)
     state_path = work_dir / "train_state.pt"
+    state = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    if state is None:
+        accuracy = pretrain_vision(model, probe, maker, settings, log=log)
+        log(f"vision pretraining: probe shape accuracy {accuracy:.3f} on held-out scenes")
+    params = [p for p in [*model.parameters(), *probe.parameters()] if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     start = 0
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+    if state is not None:
         model.load_state_dict(state["model"])
+        probe.load_state_dict(state["probe"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         log(f"resumed at step {start}")
+
+    def save(step: int) -> None:
+        torch.save({"model": model.state_dict(), "probe": probe.state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": step}, state_path)
+
     pad_id = special_token_id(PAD)
     began = time.monotonic()
-    recent: list[float] = []
+    recent: list[tuple[float, float, float]] = []
     step = start
     for step in range(start, settings.steps):
         if max_minutes is not None and time.monotonic() - began > max_minutes * 60:
@@ -290,22 +399,26 @@ def train_target(
         batch = collate([maker.example(rng) for _ in range(settings.batch_size)], pad_id)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(settings, step)
-        loss = batch_loss(model, batch)
+        language_loss = batch_loss(model, batch)
+        probe_loss, shape_accuracy = probe(model, batch) if "pixel_values" in batch else (language_loss * 0, 0.0)
+        loss = language_loss + settings.probe_loss_weight * probe_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
         optimizer.step()
-        recent.append(loss.item())
+        recent.append((language_loss.item(), probe_loss.item(), shape_accuracy))
         if (step + 1) % 20 == 0:
             elapsed = time.monotonic() - began
-            log(f"step {step + 1}/{settings.steps} loss {sum(recent) / len(recent):.4f} "
-                f"lr {learning_rate(settings, step):.2e} {elapsed / (step + 1 - start):.2f}s/step")
+            means = [sum(r[i] for r in recent) / len(recent) for i in range(3)]
+            log(f"step {step + 1}/{settings.steps} loss {means[0]:.4f} probe loss {means[1]:.4f} "
+                f"probe shape accuracy {means[2]:.3f} lr {learning_rate(settings, step):.2e} "
+                f"{elapsed / (step + 1 - start):.2f}s/step")
             recent.clear()
         if (step + 1) % settings.checkpoint_every == 0:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, state_path)
+            save(step + 1)
     else:
         step = settings.steps
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
+    save(step)
     return step
 
 
