@@ -85,6 +85,14 @@ class ForwardBatch:
             )
         return self._memo["token_to_request"]
 
+    def new_tokens_per_request(self) -> int | None:
+        """n when every request has the same number n of new tokens (decode: 1; verify and draft
+        tree steps: the tree or frontier size), else None."""
+        if "new_tokens_per_request" not in self._memo:
+            lens = self.extend_seq_lens_cpu
+            self._memo["new_tokens_per_request"] = lens[0] if all(n == lens[0] for n in lens) else None
+        return self._memo["new_tokens_per_request"]
+
     def attention_mask(self, num_keys: int) -> torch.Tensor:
         """[T, num_keys] bool over row indices: ``custom_mask`` if set, else causal per request."""
         if self.custom_mask is not None:

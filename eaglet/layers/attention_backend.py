@@ -107,8 +107,8 @@ class TorchNativeMLABackend:
         slots = self._slots(batch, max_len)  # [B * S]
         cached = self.pool.kv[layer.layer_id].index_select(0, slots)
         cached = cached.view(batch_size, max_len, -1).float()  # [B, S, L+R]
-        per_request = num_tokens // batch_size
-        grouped = batch.mode == ForwardMode.DECODE or self._uniform_new_tokens(batch)
+        per_request = batch.new_tokens_per_request()
+        grouped = per_request is not None
         if not grouped:
             cached = cached.index_select(0, batch.token_to_request())  # [T, S, L+R]
 
@@ -129,11 +129,6 @@ class TorchNativeMLABackend:
         o_latent = torch.bmm(probs, cached[:, :, :latent]).view(num_tokens, heads, latent)  # [T, H, L]
         out = torch.bmm(o_latent.transpose(0, 1), layer.w_uv_t).transpose(0, 1)  # [T, H, V]
         return out.to(q_nope.dtype)
-
-    @staticmethod
-    def _uniform_new_tokens(batch: ForwardBatch) -> bool:
-        lens = batch.extend_seq_lens_cpu
-        return all(n == lens[0] for n in lens)
 
     def _slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:
         """Cache slots of row indices 0..max_len-1 of every request, flattened: [B * max_len]."""

@@ -80,12 +80,11 @@ class SpeculationPolicy:
         if neighbour is None:
             must_measure = self._levels_in_trial_order()
         else:
-            must_measure = [self._best_level(neighbour, {}), 0]
+            must_measure = [self._best_level(_medians(neighbour, 1)), 0]
         untried = [level for level in must_measure if len(bucket.seconds.get(level, ())) < self.min_samples]
         if untried:
             return untried[0]
-        estimates = self._step_seconds(bucket, neighbour)
-        best = self._best_level(bucket, estimates)
+        best = self._best_level(self._step_seconds(bucket, neighbour))
         if best != bucket.best:
             if bucket.best is not None:
                 logger.info("speculation at batch <= %d: draft depth %s -> %s", size, _level_name(bucket.best), _level_name(best))
@@ -123,16 +122,16 @@ class SpeculationPolicy:
     def _step_seconds(self, bucket: _Bucket, neighbour: _Bucket | None) -> dict[int, float]:
         """Per-request step time of every level: the bucket's own median where it has measured the
         level ``min_samples`` times, else the neighbour's scaled by own / neighbour on shared levels."""
-        own = {level: statistics.median(s) for level, s in bucket.seconds.items() if len(s) >= self.min_samples}
+        own = _medians(bucket, self.min_samples)
         if neighbour is None:
             return own
-        theirs = {level: statistics.median(s) for level, s in neighbour.seconds.items() if s}
+        theirs = _medians(neighbour, 1)
         shared = [own[level] / theirs[level] for level in own if level in theirs and theirs[level] > 0]
         scale = statistics.median(shared) if shared else 1.0
         return {**{level: seconds * scale for level, seconds in theirs.items()}, **own}
 
-    def _best_level(self, bucket: _Bucket, estimates: dict[int, float]) -> int:
-        seconds = estimates or {level: statistics.median(s) for level, s in bucket.seconds.items() if s}
+    def _best_level(self, seconds: dict[int, float]) -> int:
+        """The level with the most expected tokens per second, from per-request step times."""
         return max(seconds, key=lambda level: self.expected_tokens(level) / max(seconds[level], 1e-9))
 
     def _nearest_learned_bucket(self, size: int) -> _Bucket | None:
@@ -158,6 +157,11 @@ class SpeculationPolicy:
                 size: bucket.best for size, bucket in sorted(self.buckets.items()) if bucket.best is not None
             },
         }
+
+
+def _medians(bucket: _Bucket, min_count: int) -> dict[int, float]:
+    """Median per-request step time of each level measured at least ``min_count`` times."""
+    return {level: statistics.median(s) for level, s in bucket.seconds.items() if len(s) >= min_count}
 
 
 def _bucket_of(batch_size: int) -> int:
