@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     results = []
     for batch in spec["batch_sizes"]:
         prompts = spec["prompts"][:batch]
-        timed(prompts, min(4, new_tokens))  # warm-up
+        timed(prompts, new_tokens)  # warm-up, full length (as eaglet's)
         runs = []
         tokens: list[list[int]] = []
         for _ in range(int(spec.get("repeats", 3))):

@@ -10,7 +10,15 @@ import torch.nn.functional as F
 
 from eaglet.config import parse_text_config
 from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16
-from eaglet.layers.linear import SMALL_BATCH_ROWS, linear, pack_for_inference, pack_weight, should_pack
+from eaglet.layers.linear import (
+    EXACT_ROWS,
+    SMALL_BATCH_ROWS,
+    linear,
+    pack_for_inference,
+    pack_weight,
+    padded_rows,
+    should_pack,
+)
 from eaglet.layers.moe import DENSE_MAX_TOKENS, MoE, RoutedExperts, SwiGLU
 from eaglet.models.registry import resolve_dtype
 
@@ -156,6 +164,29 @@ def test_packed_bf16_weight_is_bit_identical_to_f_linear(rows, with_bias):
     with torch.no_grad():
         assert torch.equal(linear(x, w, b), expected)
         assert torch.equal(linear(x[:, None].expand(rows, 2, 96)[:, 0], w, b), expected)  # a strided x
+
+
+def test_padded_row_counts_are_few_and_pad_at_most_a_quarter():
+    counts = [padded_rows(rows) for rows in range(0, 4097)]
+    assert counts[: EXACT_ROWS + 1] == list(range(EXACT_ROWS + 1))
+    assert all(rows <= padded <= 1.25 * rows for rows, padded in enumerate(counts))
+    assert counts == sorted(counts)
+    assert all(padded_rows(padded) == padded for padded in counts)
+    assert len(set(counts)) == EXACT_ROWS + 1 + 4 * 8  # four per power of two from 16 to 4096
+
+
+@needs_native_bf16
+def test_packed_gemm_rows_do_not_depend_on_the_row_count_or_padding():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(130, 64, generator=g).bfloat16()
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    expected = F.linear(x, w)
+    pack_weight(w)
+    with torch.no_grad():
+        for rows in [*range(1, 40), 63, 64, 65, 100, 130]:
+            out = linear(x[:rows], w)
+            assert out.shape == (rows, 48)
+            assert torch.equal(out, expected[:rows]), rows
 
 
 @needs_native_bf16

@@ -14,6 +14,8 @@ SMALL_BATCH_ROWS = range(8, 33)
 
 # oneDNN picks the blocked layout of a packed weight for a typical row count; any row count runs on it.
 PACK_ROWS_HINT = 16
+# Row counts a packed GEMM runs at exactly (decode and verify batches of a few requests); see padded_rows.
+EXACT_ROWS = 16
 _PACKED = "_eaglet_packed"  # attribute of a weight tensor: (its oneDNN-packed copy, weight._version then)
 
 
@@ -27,11 +29,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     packed = getattr(weight, _PACKED, None)
     if packed is not None and packed[1] == weight._version and not torch.is_grad_enabled():
-        return torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")
+        rows = x.shape[0] if x.dim() == 2 else 0
+        padded = padded_rows(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")
+        x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")[:rows]
     if weight.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in SMALL_BATCH_ROWS and weight.is_contiguous():
         out = torch.mm(weight, x.t()).t().contiguous()
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed GEMM of ``rows`` rows runs at: exact up to EXACT_ROWS, above that
+    rounded up to one of four steps per power of two (at most 25% padding).
+
+    oneDNN compiles a kernel for every new row count (about 0.5 ms, and 0.6-1.6 MB that stays in its
+    primitive cache) and keeps the last 1024; draft-extend batches and the tokens routed to each
+    expert take hundreds of row counts, enough to evict and recompile in steady decoding. The zero
+    rows added do not change the other rows' results (each output row reads only its input row).
+    """
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
 
 
 def pack_weight(weight: torch.Tensor) -> None:
