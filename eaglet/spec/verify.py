@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglet.layers.sampler import greedy_tokens
+
 __all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_sampling"]
 
 
@@ -135,7 +137,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     tree = build_tree_index(parents)
     batch, n = tokens.shape
     index = torch.arange(n, device=tokens.device)
-    target = logits.argmax(dim=-1)  # [B, N] the target's next token after each node
+    target = greedy_tokens(logits)  # [B, N] the target's next token after each node
     parent_idx = parents.clamp(min=0)
     match = tree.valid & (index > 0) & (tokens == target.gather(1, parent_idx))
     # on_path: every node from the root down to this one matches.
