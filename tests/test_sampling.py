@@ -13,7 +13,7 @@ import torch
 
 from eaglet.errors import InvalidRequestError
 from eaglet.layers.logits_processor import LogitsRow, logprobs_of, process_logits
-from eaglet.layers.sampler import greedy_tokens, sample, shaped_probs
+from eaglet.layers.sampler import VOCAB_BLOCK, greedy_tokens, sample, shaped_probs, top_k_logprobs
 from eaglet.sampling_params import SamplingParams
 
 V = 32
@@ -428,15 +428,33 @@ def test_validate_for_vocab():
         SamplingParams(stop_token_ids=[3, 250]).validate_for_vocab(100)
 
 
+@pytest.mark.parametrize("vocab", [1000, 8 * VOCAB_BLOCK, 32000])  # row-wide, and block by block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_is_argmax_with_ties_and_nans(dtype):
-    g = torch.Generator().manual_seed(0)
-    for trial in range(40):
-        logits = torch.randint(0, 3, (5, 3, 1000), generator=g).to(dtype)  # many tied maxima
+def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(30):
+        logits = torch.randint(0, 3, (5, 3, vocab), generator=g).to(dtype)  # many tied maxima
         if trial % 4 == 1:
             logits[0, 1, 7] = float("nan")
-            logits[2, 0, 3] = logits[2, 0, 900] = float("nan")
+            logits[2, 0, 3] = logits[2, 0, vocab - 100] = float("nan")
         if trial % 4 == 2:
             logits[1] = -float("inf")
+        if trial % 4 == 3:
+            logits[3, 2] = 0.0
+            logits[3, 2, vocab - 1] = 5.0  # the maximum in the last block only
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
         assert torch.equal(greedy_tokens(logits[0]), logits[0].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [1000, 32000])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_logprobs_matches_log_softmax_topk(vocab, k):
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(9, vocab, generator=g) * 3
+    logits[4, :VOCAB_BLOCK] += 20.0  # all of row 4's top k in one block
+    logits[5, torch.arange(k) * VOCAB_BLOCK] = 30.0 + torch.arange(k)  # one per block, ascending
+    values, ids = top_k_logprobs(logits, k)
+    expected = logits.log_softmax(dim=-1).topk(k, dim=-1)
+    assert torch.equal(ids, expected.indices)
+    assert torch.equal(values, expected.values)
+    assert values.shape == ids.shape == (9, k)
