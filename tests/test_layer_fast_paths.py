@@ -12,6 +12,7 @@ from eaglet.config import parse_text_config
 from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16
 from eaglet.layers.linear import (
     EXACT_ROWS,
+    PADDED_MAX_ROWS,
     SMALL_BATCH_ROWS,
     linear,
     pack_for_inference,
@@ -167,12 +168,13 @@ def test_packed_bf16_weight_is_bit_identical_to_f_linear(rows, with_bias):
 
 
 def test_padded_row_counts_are_few_and_pad_at_most_a_quarter():
-    counts = [padded_rows(rows) for rows in range(0, 4097)]
+    counts = [padded_rows(rows) for rows in range(0, PADDED_MAX_ROWS + 1)]
     assert counts[: EXACT_ROWS + 1] == list(range(EXACT_ROWS + 1))
     assert all(rows <= padded <= 1.25 * rows for rows, padded in enumerate(counts))
     assert counts == sorted(counts)
     assert all(padded_rows(padded) == padded for padded in counts)
-    assert len(set(counts)) == EXACT_ROWS + 1 + 4 * 8  # four per power of two from 16 to 4096
+    assert len(set(counts)) == EXACT_ROWS + 1 + 4 * 6  # four per power of two from 16 to 1024
+    assert [padded_rows(rows) for rows in (PADDED_MAX_ROWS + 1, 3000)] == [PADDED_MAX_ROWS + 1, 3000]
 
 
 @needs_native_bf16

@@ -14,8 +14,11 @@ SMALL_BATCH_ROWS = range(8, 33)
 
 # oneDNN picks the blocked layout of a packed weight for a typical row count; any row count runs on it.
 PACK_ROWS_HINT = 16
-# Row counts a packed GEMM runs at exactly (decode and verify batches of a few requests); see padded_rows.
+# Row counts a packed GEMM runs at exactly: up to EXACT_ROWS (decode and verify batches of a few
+# requests) and above PADDED_MAX_ROWS (prefill chunks, where the GEMM outweighs compiling its kernel
+# and padding would only add work); see padded_rows.
 EXACT_ROWS = 16
+PADDED_MAX_ROWS = 1024
 _PACKED = "_eaglet_packed"  # attribute of a weight tensor: (its oneDNN-packed copy, weight._version then)
 
 
@@ -42,15 +45,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def padded_rows(rows: int) -> int:
-    """The row count a packed GEMM of ``rows`` rows runs at: exact up to EXACT_ROWS, above that
-    rounded up to one of four steps per power of two (at most 25% padding).
+    """The row count a packed GEMM of ``rows`` rows runs at: exact up to EXACT_ROWS and above
+    PADDED_MAX_ROWS, in between rounded up to one of four steps per power of two (at most 25% padding).
 
     oneDNN compiles a kernel for every new row count (about 0.5 ms, and 0.6-1.6 MB that stays in its
-    primitive cache) and keeps the last 1024; draft-extend batches and the tokens routed to each
-    expert take hundreds of row counts, enough to evict and recompile in steady decoding. The zero
-    rows added do not change the other rows' results (each output row reads only its input row).
+    primitive cache) and keeps the 1024 used last; draft-extend batches and the tokens routed to each
+    expert take hundreds of row counts, enough to evict and recompile in steady decoding. Padding
+    moves a GEMM to the kernel of another row count, as sharing a batch does; at the sizes the tests
+    build both give the same bits per row (tests/test_layer_fast_paths.py), while for K = 7168 oneDNN
+    rounds differently above 32 rows than below. Prefill chunks above PADDED_MAX_ROWS run once
+    each: they are the entries the cache evicts first.
     """
-    if rows <= EXACT_ROWS:
+    if rows <= EXACT_ROWS or rows > PADDED_MAX_ROWS:
         return rows
     step = 1 << ((rows - 1).bit_length() - 3)
     return -(-rows // step) * step
