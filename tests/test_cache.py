@@ -108,3 +108,72 @@ def test_decode_steps_in_absorbed_form_match_decompressed(llm):
     assert ForwardBatch.build(**kwargs).mode == ForwardMode.DECODE
     torch.testing.assert_close(absorbed, decompressed, atol=1e-5, rtol=0)
     torch.testing.assert_close(absorbed_prefill, decompressed_prefill, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mla_llm(tmp_path_factory):
+    """One layer with DeepSeek-V3's per-head attention sizes (nope 64 / rope 64 / v 64, latent 512)
+    and the 72M bench model's 8 heads: the shapes whose float32 products the row padding is for."""
+    path = tmp_path_factory.mktemp("mla")
+    config = {"q_lora_rank": None, "num_hidden_layers": 1, "hidden_size": 256, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+              "v_head_dim": 64}
+    write_deepseek_v3_checkpoint(path, config, seed=5)
+    return LLM(str(path), dtype="float32", show_progress=False, block_size=4)
+
+
+@pytest.mark.parametrize("num_new", [2, 4, 8])
+def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_beside_it(mla_llm, num_new):
+    """The first of ``num_new`` verified tokens of each request equals the same token decoded alone,
+    bit for bit, in float32: greedy speculation needs the verify pass to reproduce plain decoding,
+    and MKL rounds one row of a product differently from several (layers/linear.py, MIN_BMM_ROWS).
+    The padding is measured for these sizes: for other shapes MKL's kernel choice can still depend
+    on the row count (noted in the README)."""
+    engine = mla_llm.engine
+    cache = engine.cache
+    layer = engine.model.model.layers[0].self_attn
+    backend = TorchNativeMLABackend(cache)
+    prefix_lens = [21, 40, 17]
+    rows = [cache.alloc_row() for _ in prefix_lens]
+    g = torch.Generator().manual_seed(num_new)
+    heads, latent, rope = layer.num_heads, layer.kv_lora_rank, layer.qk_rope_head_dim
+
+    def attend(num_tokens_each: int, first: dict[str, torch.Tensor]) -> torch.Tensor:
+        total = num_tokens_each * len(rows)
+        inputs = {
+            "q_nope": torch.randn(total, heads, layer.qk_nope_head_dim, generator=g),
+            "q_pe": torch.randn(total, heads, rope, generator=g),
+            "c_kv": torch.randn(total, latent, generator=g),
+            "k_pe": torch.randn(total, rope, generator=g),
+        }
+        for name, value in first.items():  # every request's first new token: the shared inputs
+            inputs[name][::num_tokens_each] = value
+        slots = torch.cat([cache.grow(r, p + num_tokens_each)[-num_tokens_each:] for r, p in zip(rows, prefix_lens)])
+        batch = ForwardBatch.build(
+            input_ids=[0] * total,
+            req_pool_indices=rows,
+            extend_prefix_lens=prefix_lens,
+            extend_seq_lens=[num_tokens_each] * len(rows),
+            out_cache_loc=slots,
+            mode=ForwardMode.DECODE if num_tokens_each == 1 else ForwardMode.VERIFY,
+        )
+        out = backend.forward(layer, inputs["q_nope"], inputs["q_pe"], inputs["c_kv"], inputs["k_pe"], batch)
+        for r, p in zip(rows, prefix_lens):
+            cache.truncate(r, p)
+        return out[::num_tokens_each]
+
+    try:
+        with torch.inference_mode():
+            for r, p in zip(rows, prefix_lens):
+                slots = cache.grow(r, p)
+                backend.pool.write(layer.layer_id, slots, torch.randn(p, latent, generator=g), torch.randn(p, rope, generator=g))
+            first = {"q_nope": torch.randn(len(rows), heads, layer.qk_nope_head_dim, generator=g),
+                     "q_pe": torch.randn(len(rows), heads, rope, generator=g),
+                     "c_kv": torch.randn(len(rows), latent, generator=g),
+                     "k_pe": torch.randn(len(rows), rope, generator=g)}
+            decoded = attend(1, first)
+            verified = attend(num_new, first)
+    finally:
+        for r in rows:
+            cache.free_row(r)
+    assert torch.equal(decoded, verified)

@@ -227,3 +227,25 @@ def test_packed_moe_layer_equals_the_unpacked_one():
     with torch.no_grad():
         assert torch.equal(packed(x), reference(x))
         assert torch.equal(packed(x[:1]), reference(x[:1]))
+
+
+def test_router_and_dense_experts_give_a_token_the_same_bits_whatever_the_tokens_beside_it():
+    """Float32 routing and dense experts: the first token alone equals it among 3 or 20 tokens, bit
+    for bit (one row through MKL rounds differently from several without the padding)."""
+    config = parse_text_config(tiny_text_config(hidden_size=128, moe_intermediate_size=32), "test")
+    torch.manual_seed(0)
+    moe = MoE(config)
+    _randomize(moe, 7)
+    for module in moe.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    x = torch.randn(20, config.hidden_size)
+    with torch.no_grad():
+        weights, ids = moe.gate(x[:1])
+        for num_tokens in (3, 20):
+            more_weights, more_ids = moe.gate(x[:num_tokens])
+            assert torch.equal(more_weights[:1], weights) and torch.equal(more_ids[:1], ids)
+        assert moe.experts.w13_t is not None  # small experts: the dense path
+        alone = moe.experts(x[:1], weights, ids)
+        beside = moe.experts(x[:3], *moe.gate(x[:3]))
+        assert torch.equal(beside[:1], alone)

@@ -8,6 +8,7 @@ from spec_fixtures import IMAGE_TOKEN, draft_for, echo_draft, echo_kimi_target
 from eaglet import LLM, SamplingParams
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.request import Request
+from eaglet.layers.linear import should_pack
 
 
 def spec_llm(target, draft, steps, topk, tokens, **kwargs) -> LLM:
@@ -155,3 +156,24 @@ def fresh_cache_rows(llm: LLM, req: Request) -> tuple[torch.Tensor, torch.Tensor
         return engine.cache.target.kv[:, slots].clone(), engine.spec_worker.pool.kv[:, slots].clone()
     finally:
         engine.cache.free_row(fresh.req_pool_idx)
+
+
+@pytest.mark.skipif(not should_pack(torch.bfloat16), reason="CPU without native bfloat16 GEMMs")
+@pytest.mark.parametrize("shape", [(3, 1, 4), (2, 2, 5)])
+def test_bf16_greedy_speculation_matches_plain_decoding_bit_for_bit(target, tmp_path, shape):
+    """A verify pass gives each token the logits plain decoding gives it: the same tokens, and
+    logprobs equal to the last bit, alone and in a ragged batch (the row-count checks of the
+    float32 products themselves are in test_cache.py and test_layer_fast_paths.py)."""
+    draft = echo_draft(target, tmp_path / "draft", kind="mla")
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = LLM(str(target), dtype="bfloat16", show_progress=False)
+    steps, topk, tokens = shape
+    spec = LLM(str(target), dtype="bfloat16", show_progress=False, speculative_algorithm="EAGLE3",
+               speculative_draft_model_path=str(draft), speculative_num_steps=steps,
+               speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, speculative_adaptive=False)
+    for requests in (mixed_requests()[1:2], mixed_requests()):
+        expected = plain.generate(requests, params)
+        got = spec.generate(requests, params)
+        for a, b in zip(expected, got):
+            assert a.token_ids == b.token_ids
+            assert [(p.token_id, p.logprob, p.top) for p in a.logprobs] == [(p.token_id, p.logprob, p.top) for p in b.logprobs]

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
-from eaglet.layers.linear import linear
+from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
+
+MIN_SOFTMAX_KEYS = 16
 
 if TYPE_CHECKING:
     from eaglet.layers.mla import MLAAttention
@@ -112,11 +114,14 @@ class TorchNativeMLABackend:
         if not grouped:
             cached = cached.index_select(0, batch.token_to_request())  # [T, S, L+R]
 
-        q_latent = torch.bmm(q_nope.float().transpose(0, 1), layer.w_uk).transpose(0, 1)  # [T, H, L]
+        # Padded row counts keep each token's bits independent of how many tokens this pass holds
+        # (MIN_BMM_ROWS, MIN_GEMM_ROWS in linear.py): a verify pass then matches plain decoding.
+        q_nope_by_head = rows_at_least(q_nope.float().transpose(0, 1), MIN_BMM_ROWS, dim=1)
+        q_latent = torch.bmm(q_nope_by_head, layer.w_uk)[:, :num_tokens].transpose(0, 1)  # [T, H, L]
         q = torch.cat([q_latent, q_pe.float()], dim=-1)  # [T, H, L+R]
         if grouped:
             q = q.view(batch_size, per_request * heads, -1)  # [B, n*H, L+R]
-        scores = torch.bmm(q, cached.transpose(1, 2))  # [B, n*H, S] or [T, H, S]
+        scores = torch.bmm(rows_at_least(q, MIN_GEMM_ROWS, dim=1), cached.transpose(1, 2))[:, : q.shape[1]]
         scores.mul_(layer.scaling)
         if not self._all_keys_visible(batch, max_len):
             mask = batch.attention_mask(max_len)  # [T, S]
@@ -125,9 +130,14 @@ class TorchNativeMLABackend:
                 scores.masked_fill_(~mask.view(batch_size, per_request, 1, max_len), float("-inf"))
             else:
                 scores.masked_fill_(~mask[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).view(q.shape[0], q.shape[1], max_len)
+        # softmax rounds rows shorter than MIN_SOFTMAX_KEYS differently from longer ones (scalar
+        # vs vector loop): padded with -inf keys, a token's probabilities do not depend on the
+        # longest row of its batch.
+        probs = F.pad(scores, (0, max(0, MIN_SOFTMAX_KEYS - max_len)), value=float("-inf")).softmax(dim=-1)
+        probs = probs[..., :max_len].reshape(q.shape[0], q.shape[1], max_len)
         o_latent = torch.bmm(probs, cached[:, :, :latent]).view(num_tokens, heads, latent)  # [T, H, L]
-        out = torch.bmm(o_latent.transpose(0, 1), layer.w_uv_t).transpose(0, 1)  # [T, H, V]
+        o_latent_by_head = rows_at_least(o_latent.transpose(0, 1), MIN_BMM_ROWS, dim=1)
+        out = torch.bmm(o_latent_by_head, layer.w_uv_t)[:, :num_tokens].transpose(0, 1)  # [T, H, V]
         return out.to(q_nope.dtype)
 
     def _slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:

@@ -62,6 +62,24 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+# MKL's float32 products round a row differently depending on how many rows they multiply: a
+# single row, and (for some layouts) 2-15 rows against 16 or more, take different kernels
+# (tests/test_layer_fast_paths.py). Greedy speculation is lossless only if a verify pass gives each
+# token the bits plain decoding gives it, so the float32 products whose row count differs between
+# the two (absorbed attention, routing) run at no fewer rows than these.
+MIN_BMM_ROWS = 2  # [H, T, K] x [H, K, N] with row-major operands: one row vs two or more
+MIN_GEMM_ROWS = 16  # F.linear, and bmm against a transposed operand (attention scores)
+
+
+def rows_at_least(x: torch.Tensor, minimum: int, dim: int = 0) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to ``minimum`` entries; ``x`` itself when it has as many."""
+    missing = minimum - x.shape[dim]
+    if missing <= 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, missing]
+    return F.pad(x, pad)
+
+
 def pack_weight(weight: torch.Tensor) -> None:
     """Attaches a oneDNN-blocked copy of a bfloat16 [out, in] weight, which ``linear`` then uses.
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet.config import TextConfig
-from eaglet.layers.linear import linear
+from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
 
 
 class SwiGLU(nn.Module):
@@ -54,7 +54,8 @@ class NoAuxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
+        # At least MIN_GEMM_ROWS rows: a token's scores do not depend on how many tokens are routed.
+        scores = F.linear(rows_at_least(x.float(), MIN_GEMM_ROWS), self.weight)[: x.shape[0]].sigmoid()
         biased = scores + self.e_score_correction_bias
         if self.topk_group < self.n_group:  # otherwise every group is kept
             num_tokens, num_experts = biased.shape
@@ -152,11 +153,12 @@ class RoutedExperts(nn.Module):
         return out
 
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        num_tokens, hidden = x.shape
+        num_tokens = x.shape[0]
         combine = torch.zeros(num_tokens, 1, self.num_experts, dtype=x.dtype)
         combine.scatter_(2, expert_ids[:, None, :], weights[:, None, :].to(x.dtype))  # [T, 1, E]
-        gate, up = torch.bmm(x.expand(self.num_experts, num_tokens, hidden), self.w13_t).chunk(2, dim=-1)
-        expert_out = torch.bmm(F.silu(gate) * up, self.w2_t)  # [E, T, hidden]
+        x = rows_at_least(x, MIN_BMM_ROWS)  # float32 bmm: one row takes another kernel than two
+        gate, up = torch.bmm(x.expand(self.num_experts, *x.shape), self.w13_t).chunk(2, dim=-1)
+        expert_out = torch.bmm(F.silu(gate) * up, self.w2_t)[:, :num_tokens]  # [E, T, hidden]
         return torch.bmm(combine, expert_out.transpose(0, 1)).squeeze(1)
 
     def _forward_one_token(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
