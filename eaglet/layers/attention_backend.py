@@ -133,8 +133,9 @@ class TorchNativeMLABackend:
         # softmax rounds rows shorter than MIN_SOFTMAX_KEYS differently from longer ones (scalar
         # vs vector loop): padded with -inf keys, a token's probabilities do not depend on the
         # longest row of its batch.
-        probs = F.pad(scores, (0, max(0, MIN_SOFTMAX_KEYS - max_len)), value=float("-inf")).softmax(dim=-1)
-        probs = probs[..., :max_len].reshape(q.shape[0], q.shape[1], max_len)
+        if max_len < MIN_SOFTMAX_KEYS:
+            scores = F.pad(scores, (0, MIN_SOFTMAX_KEYS - max_len), value=float("-inf"))
+        probs = scores.softmax(dim=-1)[..., :max_len].reshape(q.shape[0], q.shape[1], max_len)
         o_latent = torch.bmm(probs, cached[:, :, :latent]).view(num_tokens, heads, latent)  # [T, H, L]
         o_latent_by_head = rows_at_least(o_latent.transpose(0, 1), MIN_BMM_ROWS, dim=1)
         out = torch.bmm(o_latent_by_head, layer.w_uv_t)[:, :num_tokens].transpose(0, 1)  # [T, H, V]
