@@ -70,6 +70,14 @@ KIMI_TEXT = dict(
     n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
 )
 KIMI_IMAGE_TOKEN = 250
+# DeepSeek-V3 of about 0.55B parameters (DeepSeek-V3's per-head attention sizes, 8 experts of 768):
+# a decode step reads about 0.6 GB in bfloat16, so the weights' bandwidth outweighs per-call costs.
+DEEPSEEK_LARGE = dict(
+    vocab_size=32000, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    intermediate_size=5632, moe_intermediate_size=768, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -88,7 +96,8 @@ def _echo_edit(path: Path, prefix: str, alpha: float) -> None:
 
 
 def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full") -> dict:
-    """{"target", "draft", "dtype", "images", "echo"} for a checkpoint name; ``size="tiny"``: test-sized models."""
+    """{"target", "draft", "dtype", "images", "echo"} for a checkpoint name; ``size="tiny"``: test-sized
+    models; ``size="large"``: the ~0.55B DeepSeek-V3 (Kimi as "full")."""
     from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
     from spec_fixtures import echo_draft
 
@@ -96,11 +105,12 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
         from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
 
         return {"target": DEMO_TARGET_DIR, "draft": DEMO_DRAFT_DIR, "dtype": "auto", "images": True, "echo": False}
-    full = size == "full"
+    full = size != "tiny"
     if name.startswith("deepseek"):
         target = workdir / f"deepseek-{size}-alpha{alpha}"
         if not (target / "config.json").is_file():
-            write_deepseek_v3_checkpoint(target, bench_decode.MODEL_CONFIG if full else None,
+            config = {"full": bench_decode.MODEL_CONFIG, "large": DEEPSEEK_LARGE}.get(size)
+            write_deepseek_v3_checkpoint(target, config,
                                          seed=bench_decode.CHECKPOINT_SEED, num_shards=1, dtype=torch.float32)
             _echo_edit(target, "", alpha)
         dtype = "float32" if name.endswith("fp32") else "bfloat16"

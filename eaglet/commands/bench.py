@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine and batch size (medians)")
-    parser.add_argument("--size", choices=("full", "tiny"), default="full",
-                        help="full: the ~72M-parameter DeepSeek-V3 / ~25M Kimi text models; tiny: test-sized, for smoke runs")
+    parser.add_argument("--size", choices=("full", "large", "tiny"), default="full",
+                        help="full: the ~72M-parameter DeepSeek-V3 / ~25M Kimi text models; large: a ~0.55B DeepSeek-V3 "
+                        "whose decode step is bound by weight bandwidth; tiny: test-sized, for smoke runs")
     parser.add_argument("--alpha", type=float, default=1.0, help="echo dial of the random targets")
     parser.add_argument("--spec-adaptive", action="store_true",
                         help="let eaglet's adaptive policy shorten / skip drafting (default: fixed shapes)")
