@@ -43,8 +43,6 @@ from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
 from eaglet.spec.verify import VerifyResult, verify_greedy, verify_sampling
 
 
-
-
 @dataclass
 class DraftState:
     """What the draft extend leaves for a request's next round (one row per request when batched)."""
