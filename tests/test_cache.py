@@ -52,6 +52,35 @@ def test_grow_truncate_free_row_slots():
         cache.grow(cache.alloc_row(), 17)
 
 
+def test_growing_and_truncating_several_rows_at_once_equals_doing_each():
+    def make() -> KVCacheManager:
+        return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
+                              max_context_len=32, dtype=torch.float32)
+
+    one_by_one, at_once = make(), make()
+    rows = [one_by_one.alloc_row() for _ in range(3)]
+    assert [at_once.alloc_row() for _ in range(3)] == rows
+    for c in (one_by_one, at_once):  # ragged starting lengths, one row still empty
+        c.grow(rows[0], 3)
+        c.grow(rows[2], 7)
+    for grown in ([9, 5, 7], [15, 13, 16]):  # partly filled blocks, new blocks, rows that stay
+        expected = torch.cat([one_by_one.grow(row, new) for row, new in zip(rows, grown)])
+        assert torch.equal(at_once.grow_rows(rows, grown), expected)
+        assert torch.equal(at_once.req_to_token, one_by_one.req_to_token)
+        assert at_once.row_blocks == one_by_one.row_blocks and at_once.row_len == one_by_one.row_len
+    for shorter in ([10, 13, 3], [10, 2, 0]):  # keeps, drops and empties blocks; one row unchanged
+        for row, new in zip(rows, shorter):
+            one_by_one.truncate(row, new)
+        at_once.truncate_rows(rows, shorter)
+        assert torch.equal(at_once.req_to_token, one_by_one.req_to_token)
+        assert at_once.row_blocks == one_by_one.row_blocks and at_once.row_len == one_by_one.row_len
+        assert at_once.num_free_blocks == one_by_one.num_free_blocks
+    with pytest.raises(ValueError):
+        at_once.grow_rows(rows, [9, 3, 0])  # row 0 would shrink
+    with pytest.raises(OutOfCacheBlocks):
+        at_once.grow_rows(rows, [16, 16, 33])
+
+
 def test_prefill_plus_decode_equals_full_recompute(llm):
     """Greedy generation through the cache vs one full forward over prompt + generated tokens."""
     prompt = [5, 9, 200, 31, 8, 8, 14]

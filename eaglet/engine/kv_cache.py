@@ -154,6 +154,33 @@ class KVCacheManager:
         self.row_len[row] = new_len
         return slots
 
+    def grow_rows(self, rows: list[int], new_lens: list[int]) -> torch.Tensor:
+        """``grow`` for several rows in one tensor pass (a speculative round's scratch space for
+        every request): the slots of each row's new positions, concatenated in row order."""
+        old_lens = [self.row_len[row] for row in rows]
+        if any(new < old for old, new in zip(old_lens, new_lens)):
+            raise ValueError("grow_rows only grows rows; truncate shortens them")
+        longest = max(new_lens, default=0)
+        if longest > self.max_context_len:
+            raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
+        for row, new_len in zip(rows, new_lens):
+            blocks = self.row_blocks[row]
+            missing = self.blocks_needed(new_len) - len(blocks)
+            if missing > 0:
+                blocks.extend(self.allocator.allocate(missing))
+        counts = torch.tensor([new - old for old, new in zip(old_lens, new_lens)])
+        row_of = torch.arange(len(rows)).repeat_interleave(counts)
+        starts = torch.cumsum(counts, 0) - counts
+        positions = torch.tensor(old_lens)[row_of] + torch.arange(int(counts.sum())) - starts[row_of]
+        width = max((len(self.row_blocks[row]) for row in rows), default=0)
+        table = torch.tensor([self.row_blocks[row] + [0] * (width - len(self.row_blocks[row])) for row in rows],
+                             dtype=torch.long).view(len(rows), width)
+        slots = table[row_of, positions // self.block_size] * self.block_size + positions % self.block_size
+        self.req_to_token[torch.tensor(rows, dtype=torch.long)[row_of], positions] = slots.to(self.req_to_token.device)
+        for row, new_len in zip(rows, new_lens):
+            self.row_len[row] = new_len
+        return slots
+
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
         keep = self.blocks_needed(new_len)
@@ -163,6 +190,22 @@ class KVCacheManager:
             del blocks[keep:]
         self.req_to_token[row, new_len : self.row_len[row]] = 0
         self.row_len[row] = min(self.row_len[row], new_len)
+
+    def truncate_rows(self, rows: list[int], new_lens: list[int]) -> None:
+        """``truncate`` for several rows in one tensor pass (a speculative round's rejected tokens)."""
+        old_lens = [self.row_len[row] for row in rows]
+        for row, new_len in zip(rows, new_lens):
+            keep = self.blocks_needed(new_len)
+            blocks = self.row_blocks[row]
+            if len(blocks) > keep:
+                self.allocator.decref(blocks[keep:])
+                del blocks[keep:]
+            self.row_len[row] = min(self.row_len[row], new_len)
+        counts = torch.tensor([max(0, old - new) for old, new in zip(old_lens, new_lens)])
+        row_of = torch.arange(len(rows)).repeat_interleave(counts)
+        starts = torch.cumsum(counts, 0) - counts
+        positions = torch.tensor(new_lens)[row_of] + torch.arange(int(counts.sum())) - starts[row_of]
+        self.req_to_token[torch.tensor(rows, dtype=torch.long)[row_of], positions] = 0
 
     def free_row(self, row: int) -> None:
         self.allocator.decref(self.row_blocks.pop(row))

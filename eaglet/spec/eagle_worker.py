@@ -200,8 +200,7 @@ class EagleWorker:
         self.catch_up(requests)
         rows = torch.tensor([r.req_pool_idx for r in requests])
         prefix = torch.tensor([r.num_cached_tokens for r in requests])
-        for req in requests:
-            self.cache.grow(req.req_pool_idx, req.num_cached_tokens + spec.scratch_len)
+        self.cache.grow_rows([r.req_pool_idx for r in requests], [r.num_cached_tokens + spec.scratch_len for r in requests])
         roots = torch.tensor([r.output_token_ids[-1] for r in requests])
         tree = self._draft_tree(requests, rows, prefix, roots, num_steps, num_draft_tokens)
         result, raw_logits, features = self._verify(requests, rows, prefix, tree)
@@ -368,8 +367,9 @@ class EagleWorker:
         if moved.any():
             self.cache.target.copy_slots(src[moved], dst[moved])
         accepted_list = accepted.tolist()
+        self.cache.truncate_rows([r.req_pool_idx for r in requests],
+                                 [r.num_cached_tokens + 1 + a for r, a in zip(requests, accepted_list)])
         for req, a in zip(requests, accepted_list):
-            self.cache.truncate(req.req_pool_idx, req.num_cached_tokens + 1 + a)
             req.num_cached_tokens += 1 + a
 
         # Draft extend over root + accepted path: ids are the accepted tokens then the bonus.
