@@ -78,6 +78,14 @@ class LatentKVPool:
         self.kv[:, dst] = self.kv[:, src]
 
 
+def _row_positions(first: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i, position) for positions first[i] .. first[i] + counts[i] - 1 of every row i, flattened."""
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    row_of = torch.arange(len(counts)).repeat_interleave(counts_t)
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    return row_of, torch.tensor(first, dtype=torch.long)[row_of] + torch.arange(int(counts_t.sum())) - starts[row_of]
+
+
 class KVCacheManager:
     """Owns the block allocator, the request-to-slots table and the pools of every model."""
 
@@ -168,10 +176,7 @@ class KVCacheManager:
             missing = self.blocks_needed(new_len) - len(blocks)
             if missing > 0:
                 blocks.extend(self.allocator.allocate(missing))
-        counts = torch.tensor([new - old for old, new in zip(old_lens, new_lens)])
-        row_of = torch.arange(len(rows)).repeat_interleave(counts)
-        starts = torch.cumsum(counts, 0) - counts
-        positions = torch.tensor(old_lens)[row_of] + torch.arange(int(counts.sum())) - starts[row_of]
+        row_of, positions = _row_positions(old_lens, [new - old for old, new in zip(old_lens, new_lens)])
         width = max((len(self.row_blocks[row]) for row in rows), default=0)
         table = torch.tensor([self.row_blocks[row] + [0] * (width - len(self.row_blocks[row])) for row in rows],
                              dtype=torch.long).view(len(rows), width)
@@ -201,10 +206,7 @@ class KVCacheManager:
                 self.allocator.decref(blocks[keep:])
                 del blocks[keep:]
             self.row_len[row] = min(self.row_len[row], new_len)
-        counts = torch.tensor([max(0, old - new) for old, new in zip(old_lens, new_lens)])
-        row_of = torch.arange(len(rows)).repeat_interleave(counts)
-        starts = torch.cumsum(counts, 0) - counts
-        positions = torch.tensor(new_lens)[row_of] + torch.arange(int(counts.sum())) - starts[row_of]
+        row_of, positions = _row_positions(new_lens, [max(0, old - new) for old, new in zip(old_lens, new_lens)])
         self.req_to_token[torch.tensor(rows, dtype=torch.long)[row_of], positions] = 0
 
     def free_row(self, row: int) -> None:
