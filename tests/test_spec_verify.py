@@ -11,7 +11,14 @@ import torch
 
 from eaglet.layers.sampler import shaped_probs
 from eaglet.sampling_params import SamplingParams
-from eaglet.spec.verify import VerifyResult, build_tree_index, verify_greedy, verify_sampling
+from eaglet.spec.verify import (
+    VerifyResult,
+    _verify_greedy_chain,
+    _verify_greedy_tree,
+    build_tree_index,
+    verify_greedy,
+    verify_sampling,
+)
 
 # --------------------------------------------------------------------------- statistics helpers
 
@@ -494,3 +501,18 @@ def test_input_validation() -> None:
         build_tree_index(torch.tensor([[-1, 2, 0]]))  # parent after child
     with pytest.raises(ValueError):
         verify_sampling(torch.tensor([[0, 1]]), torch.tensor([[-1, 0]]), torch.rand(1, 2, 4), [])
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 4, 6])
+def test_chain_fast_path_equals_the_tree_walk(num_nodes):
+    """verify_greedy recognises a chain and skips the tree walk; both give the same result."""
+    g = torch.Generator().manual_seed(num_nodes)
+    for _ in range(50):
+        batch = int(torch.randint(1, 6, (1,), generator=g))
+        target = torch.randint(0, 3, (batch, num_nodes), generator=g)  # 3 values: many matches
+        tokens = torch.randint(0, 3, (batch, num_nodes), generator=g)
+        parents = (torch.arange(num_nodes) - 1).expand(batch, num_nodes)
+        fast, walked = _verify_greedy_chain(tokens, target), _verify_greedy_tree(tokens, parents, target)
+        assert torch.equal(fast.accepted_nodes, walked.accepted_nodes)
+        assert torch.equal(fast.num_accepted, walked.num_accepted)
+        assert torch.equal(fast.bonus_tokens, walked.bonus_tokens)
