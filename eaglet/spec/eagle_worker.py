@@ -270,12 +270,14 @@ class EagleWorker:
         batch_size, k = frontier_tokens.shape
         first_index = prefix + (step - 1) * k  # row index of this step's first frontier slot
         slots = self.cache.req_to_token[rows[:, None], first_index[:, None] + torch.arange(k)]
-        scratch = ancestry.shape[-1]
-        width = int(prefix.max()) + scratch
-        mask = (torch.arange(width)[None, None, :] < prefix[:, None, None]).expand(batch_size, k, width).clone()
-        columns = (prefix[:, None] + torch.arange(scratch))[:, None, :].expand(batch_size, k, scratch)
-        mask.scatter_(2, columns, ancestry)
-        mask = mask[:, :, :num_keys]
+        mask = None  # a chain's frontier token sees every row before it: the default causal mask
+        if k > 1:
+            scratch = ancestry.shape[-1]
+            width = int(prefix.max()) + scratch
+            mask = (torch.arange(width)[None, None, :] < prefix[:, None, None]).expand(batch_size, k, width).clone()
+            columns = (prefix[:, None] + torch.arange(scratch))[:, None, :].expand(batch_size, k, scratch)
+            mask.scatter_(2, columns, ancestry)
+            mask = mask[:, :, :num_keys].reshape(batch_size * k, num_keys)
         return ForwardBatch.build(
             input_ids=frontier_tokens.reshape(-1),
             req_pool_indices=rows.tolist(),
@@ -285,7 +287,7 @@ class EagleWorker:
             positions=(prefix + step - 1).repeat_interleave(k),
             mode=ForwardMode.VERIFY,
             logits_indices=torch.arange(batch_size * k),
-            custom_mask=mask.reshape(batch_size * k, num_keys),
+            custom_mask=mask,
         )
 
     def _verify(
@@ -304,7 +306,8 @@ class EagleWorker:
             mode=ForwardMode.VERIFY,
             logits_indices=torch.arange(batch_size * n),
             capture_layers=self.capture_layers,
-            custom_mask=tree_attention_mask(tree, prefix, num_keys),
+            # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
+            custom_mask=tree_attention_mask(tree, prefix, num_keys) if self.spec.eagle_topk > 1 else None,
         )
         with self._phase("verify"):
             output = self.runner.model(batch, self.runner.backend)
