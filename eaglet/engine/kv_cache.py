@@ -148,23 +148,11 @@ class KVCacheManager:
 
     def grow(self, row: int, new_len: int) -> torch.Tensor:
         """Extends the row to new_len tokens; returns the slots of positions [old_len, new_len)."""
-        old_len = self.row_len[row]
-        if new_len > self.max_context_len:
-            raise OutOfCacheBlocks(f"sequence of {new_len} tokens exceeds the table width {self.max_context_len}")
-        blocks = self.row_blocks[row]
-        missing = self.blocks_needed(new_len) - len(blocks)
-        if missing > 0:
-            blocks.extend(self.allocator.allocate(missing))
-        positions = torch.arange(old_len, new_len)
-        block_ids = torch.tensor(blocks, dtype=torch.long)[positions // self.block_size]
-        slots = block_ids * self.block_size + positions % self.block_size
-        self.req_to_token[row, old_len:new_len] = slots.to(self.req_to_token.device)
-        self.row_len[row] = new_len
-        return slots
+        return self.grow_rows([row], [new_len])
 
     def grow_rows(self, rows: list[int], new_lens: list[int]) -> torch.Tensor:
-        """``grow`` for several rows in one tensor pass (a speculative round's scratch space for
-        every request): the slots of each row's new positions, concatenated in row order."""
+        """Extends each row to its new length, all in one tensor pass; returns the slots of every
+        row's new positions, concatenated in row order."""
         old_lens = [self.row_len[row] for row in rows]
         if any(new < old for old, new in zip(old_lens, new_lens)):
             raise ValueError("grow_rows only grows rows; truncate shortens them")
@@ -188,16 +176,10 @@ class KVCacheManager:
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
-        keep = self.blocks_needed(new_len)
-        blocks = self.row_blocks[row]
-        if len(blocks) > keep:
-            self.allocator.decref(blocks[keep:])
-            del blocks[keep:]
-        self.req_to_token[row, new_len : self.row_len[row]] = 0
-        self.row_len[row] = min(self.row_len[row], new_len)
+        self.truncate_rows([row], [new_len])
 
     def truncate_rows(self, rows: list[int], new_lens: list[int]) -> None:
-        """``truncate`` for several rows in one tensor pass (a speculative round's rejected tokens)."""
+        """``truncate`` for several rows in one tensor pass."""
         old_lens = [self.row_len[row] for row in rows]
         for row, new_len in zip(rows, new_lens):
             keep = self.blocks_needed(new_len)

@@ -36,7 +36,6 @@ class ModelRunner:
         last new token (at every new token with ``all_logits``, for prompt logprobs).
         """
         input_ids: list[int] = []
-        out_cache_loc: list[torch.Tensor] = []
         prefix_lens: list[int] = []
         # Prompt logprobs need the logits of every prompt position in the chunk.
         wants_prompt = [
@@ -46,14 +45,16 @@ class ModelRunner:
         for req, num_new in zip(requests, num_new_tokens):
             start = req.num_cached_tokens
             input_ids.extend(req.token_ids(start, start + num_new))
-            out_cache_loc.append(self.cache.grow(req.req_pool_idx, start + num_new))
             prefix_lens.append(start)
+        out_cache_loc = self.cache.grow_rows(
+            [r.req_pool_idx for r in requests], [start + num_new for start, num_new in zip(prefix_lens, num_new_tokens)]
+        )
         batch = ForwardBatch.build(
             input_ids=input_ids,
             req_pool_indices=[r.req_pool_idx for r in requests],
             extend_prefix_lens=prefix_lens,
             extend_seq_lens=list(num_new_tokens),
-            out_cache_loc=torch.cat(out_cache_loc),
+            out_cache_loc=out_cache_loc,
             logits_indices=torch.arange(len(input_ids)) if all_logits or any(wants_prompt) else None,
             capture_layers=capture_layers,
         )
