@@ -344,8 +344,8 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
                 return run_transformers(engine, prompts, new_tokens)
             return run_eaglet(engine, prompts, new_tokens, ignore_eos=ckpt["echo"])
 
-        # Untimed warm-up, full length: the first runs at a new batch size still grow the heap and
-        # touch fresh pages (oneDNN primitives, KV blocks); the timed runs measure the steady state.
+        # Untimed warm-up, full length: the first run at a new batch size compiles oneDNN kernels
+        # for its row counts (about 0.5 ms each); the timed runs measure the steady state.
         for key, engine in contenders.items():
             run_one(key, engine, args.new_tokens)
         runs: dict[str, list[dict]] = {k: [] for k in contenders}
