@@ -5,10 +5,10 @@ import torch
 from checkpoints import write_deepseek_v3_checkpoint
 from runtime_utils import greedy, prompt_logits
 
-from eaglet import LLM
+from eaglet import LLM, kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import BlockAllocator, KVCacheManager, OutOfCacheBlocks
-from eaglet.layers.attention_backend import TorchNativeMLABackend
+from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,8 @@ def mla_llm(tmp_path_factory):
 
 
 @pytest.mark.parametrize("num_new", [2, 4, 8])
-def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_beside_it(mla_llm, num_new):
+@pytest.mark.parametrize("backend_class", [TorchNativeMLABackend, FusedCPUMLABackend], ids=["pytorch-ops", "kernel"])
+def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_beside_it(mla_llm, num_new, backend_class):
     """The first of ``num_new`` verified tokens of each request equals the same token decoded alone,
     bit for bit, in float32: greedy speculation needs the verify pass to reproduce plain decoding,
     and MKL rounds one row of a product differently from several (layers/linear.py, MIN_BMM_ROWS).
@@ -161,7 +162,9 @@ def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_besi
     engine = mla_llm.engine
     cache = engine.cache
     layer = engine.model.model.layers[0].self_attn
-    backend = TorchNativeMLABackend(cache)
+    if backend_class is FusedCPUMLABackend and not kernels.available():
+        pytest.skip(f"kernels not built: {kernels.unavailable_reason()}")
+    backend = backend_class(cache)
     prefix_lens = [21, 40, 17]
     rows = [cache.alloc_row() for _ in prefix_lens]
     g = torch.Generator().manual_seed(num_new)

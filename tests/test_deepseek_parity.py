@@ -45,8 +45,9 @@ def checkpoint(request, tmp_path_factory):
     return path
 
 
-def test_prompt_logits_match_transformers(checkpoint):
-    llm = LLM(str(checkpoint), dtype="float32", show_progress=False)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "pytorch-ops"])
+def test_prompt_logits_match_transformers(checkpoint, cpu_kernels):
+    llm = LLM(str(checkpoint), dtype="float32", show_progress=False, cpu_kernels=cpu_kernels)
     reference = load_reference_deepseek_v3(checkpoint)
     ours = prompt_logits(llm, [{"prompt_token_ids": p} for p in PROMPTS])
     for prompt, logits in zip(PROMPTS, ours):
@@ -56,8 +57,9 @@ def test_prompt_logits_match_transformers(checkpoint):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
-def test_greedy_tokens_match_transformers(checkpoint):
-    llm = LLM(str(checkpoint), dtype="float32", show_progress=False)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "pytorch-ops"])
+def test_greedy_tokens_match_transformers(checkpoint, cpu_kernels):
+    llm = LLM(str(checkpoint), dtype="float32", show_progress=False, cpu_kernels=cpu_kernels)
     reference = load_reference_deepseek_v3(checkpoint)
     prompts = PROMPTS[:2]  # transformers' generate is the slow part; logits cover all prompts
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(32))

@@ -160,15 +160,16 @@ def fresh_cache_rows(llm: LLM, req: Request) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.skipif(not should_pack(torch.bfloat16), reason="CPU without native bfloat16 GEMMs")
 @pytest.mark.parametrize("shape", [(3, 1, 4), (2, 2, 5)])
-def test_bf16_greedy_speculation_matches_plain_decoding_bit_for_bit(target, tmp_path, shape):
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "pytorch-ops"])
+def test_bf16_greedy_speculation_matches_plain_decoding_bit_for_bit(target, tmp_path, shape, cpu_kernels):
     """A verify pass gives each token the logits plain decoding gives it: the same tokens, and
     logprobs equal to the last bit, alone and in a ragged batch (the row-count checks of the
     float32 products themselves are in test_cache.py and test_layer_fast_paths.py)."""
     draft = echo_draft(target, tmp_path / "draft", kind="mla")
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    plain = LLM(str(target), dtype="bfloat16", show_progress=False)
+    plain = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=cpu_kernels)
     steps, topk, tokens = shape
-    spec = LLM(str(target), dtype="bfloat16", show_progress=False, speculative_algorithm="EAGLE3",
+    spec = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=cpu_kernels, speculative_algorithm="EAGLE3",
                speculative_draft_model_path=str(draft), speculative_num_steps=steps,
                speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, speculative_adaptive=False)
     for requests in (mixed_requests()[1:2], mixed_requests()):

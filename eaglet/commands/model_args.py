@@ -26,6 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_log_level: str 
                        help="tokens per engine step (prefill chunks + decode tokens)")
     group.add_argument("--kv-cache-memory-gb", type=positive_float, default=2.0)
     group.add_argument("--disable-prefix-caching", action="store_true")
+    group.add_argument("--disable-cpu-kernels", action="store_true",
+                       help="run the PyTorch ops instead of eaglet's fused C++ kernels (eaglet/kernels)")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-algorithm", type=str.upper, choices=("EAGLE3", "NONE"), default=None,
                       help="EAGLE3 needs --speculative-draft-model-path (default: EAGLE3 for the demo model, else off)")
@@ -101,6 +103,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=not args.disable_prefix_caching,
+        cpu_kernels=not args.disable_cpu_kernels,
         speculative_algorithm=algorithm,
         speculative_draft_model_path=draft_path,
         speculative_num_steps=args.speculative_num_steps,

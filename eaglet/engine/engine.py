@@ -19,7 +19,8 @@ from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.engine.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
-from eaglet.layers.attention_backend import TorchNativeMLABackend
+from eaglet import kernels
+from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.eagle3 import load_eagle3_draft
@@ -57,6 +58,9 @@ class EngineConfig:
     # Per decode step, draft less deeply or not at all where measured costs say the configured
     # shape would give fewer tokens/s than that (see eaglet/spec/policy.py).
     speculative_adaptive: bool = True
+    # Fused C++ kernels for RMSNorm, routing and absorbed attention (eaglet/kernels), built on first
+    # use; where they cannot be built the engine logs why and runs the PyTorch ops.
+    cpu_kernels: bool = True
 
 
 class Engine:
@@ -98,7 +102,11 @@ class Engine:
             max_context_len=self.context_len + self.spec_scratch,
             dtype=dtype,
         )
-        self.runner = ModelRunner(self.model, self.model_config, self.cache, TorchNativeMLABackend(self.cache))
+        self.cpu_kernels = config.cpu_kernels and kernels.available()
+        if self.cpu_kernels:
+            kernels.use_cpu_kernels(self.model)
+        backend = FusedCPUMLABackend(self.cache) if self.cpu_kernels else TorchNativeMLABackend(self.cache)
+        self.runner = ModelRunner(self.model, self.model_config, self.cache, backend)
         self.spec_worker: EagleWorker | None = None
         self.spec_metrics: SpecMetrics | None = None
         self.spec_policy: SpeculationPolicy | None = None
@@ -107,8 +115,11 @@ class Engine:
                 self.spec_config.draft_model_path, self.model_config, dtype, show_progress=config.show_progress
             )
             draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
+            if self.cpu_kernels:
+                kernels.use_cpu_kernels(draft)
             self.spec_worker = EagleWorker(
-                self.runner, draft, draft_config, self.spec_config, self.cache, frozenset(self.eos_token_ids)
+                self.runner, draft, draft_config, self.spec_config, self.cache, frozenset(self.eos_token_ids),
+                fused_attention=self.cpu_kernels,
             )
             self.spec_metrics = SpecMetrics(self.spec_config.num_steps)
             self.spec_policy = SpeculationPolicy(self.spec_config, adaptive=config.speculative_adaptive)

@@ -152,3 +152,36 @@ class TorchNativeMLABackend:
     def _all_keys_visible(batch: ForwardBatch, max_len: int) -> bool:
         """A plain decode step over requests of one length sees every key: no mask needed."""
         return batch.mode == ForwardMode.DECODE and batch.custom_mask is None and min(batch.seq_lens_cpu) == max_len
+
+
+class FusedCPUMLABackend(TorchNativeMLABackend):
+    """TorchNativeMLABackend with the absorbed form in one kernel call per layer
+    (``torch.ops.eaglet.mla_absorbed_attention``, eaglet/kernels), which reads each request's
+    latents straight from the paged cache and computes every token on its own: a token's output
+    does not depend on the batch around it, with no padding. EXTEND batches keep the decompressed form.
+    """
+
+    def _absorbed(
+        self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        max_len = max(batch.seq_lens_cpu)
+        return torch.ops.eaglet.mla_absorbed_attention(
+            q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t,
+            self._request_slots(batch, max_len), batch.seq_lens, self._token_starts(batch),
+            batch.custom_mask, layer.scaling,
+        )
+
+    def _request_slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:
+        """[B, max_len]: each request's cache slots by row index."""
+        key = ("request_slots", id(self.cache.req_to_token), max_len)
+        if key not in batch._memo:
+            batch._memo[key] = self.cache.req_to_token[batch.req_pool_indices, :max_len]
+        return batch._memo[key]
+
+    @staticmethod
+    def _token_starts(batch: ForwardBatch) -> torch.Tensor:
+        """[B + 1]: offset of each request's first new token, then the token count."""
+        if "token_starts" not in batch._memo:
+            total = batch.extend_start_loc.new_tensor([batch.num_tokens])
+            batch._memo["token_starts"] = torch.cat([batch.extend_start_loc, total])
+        return batch._memo["token_starts"]

@@ -51,9 +51,15 @@ class NoAuxRouter(nn.Module):
         self.topk_group = config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
+        self.fused = False  # torch.ops.eaglet.noaux_route (eaglet.kernels.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
+        if self.fused and not torch.is_grad_enabled():
+            return torch.ops.eaglet.noaux_route(
+                x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                self.norm_topk_prob, self.routed_scaling_factor,
+            )
         # At least MIN_GEMM_ROWS rows: a token's scores do not depend on how many tokens are routed.
         scores = F.linear(rows_at_least(x.float(), MIN_GEMM_ROWS), self.weight)[: x.shape[0]].sigmoid()
         biased = scores + self.e_score_correction_bias
@@ -73,6 +79,10 @@ class NoAuxRouter(nn.Module):
 
 DENSE_MAX_WEIGHT_BYTES = 1 << 20
 DENSE_MAX_TOKENS = 64
+# The fused bfloat16 expert kernel (AVX512-BF16 dot products) beats oneDNN's AMX GEMMs while few
+# tokens share each expert: measured up to about 80 tokens at hidden 512 and 16 at hidden 2048
+# (benchmarks/bench_moe_kernel.py). It takes batches of up to max(16, FUSED_TOKEN_BUDGET / hidden).
+FUSED_TOKEN_BUDGET = 1 << 16
 
 
 class RoutedExperts(nn.Module):
@@ -100,6 +110,7 @@ class RoutedExperts(nn.Module):
         # [E, hidden, 2 * inter] and [E, inter, hidden] copies for the dense path, when it applies.
         self.w13_t: torch.Tensor | None = None
         self.w2_t: torch.Tensor | None = None
+        self.fused = False  # torch.ops.eaglet.moe_routed_experts (eaglet.kernels.use_cpu_kernels)
 
     def process_weights_after_loading(self) -> None:
         self.w13_per_expert = list(self.w13.detach().unbind(0))
@@ -128,6 +139,9 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = expert_ids.shape
+        fused_max_tokens = max(16, FUSED_TOKEN_BUDGET // x.shape[-1])
+        if self.fused and x.dtype == torch.bfloat16 and num_tokens <= fused_max_tokens and not torch.is_grad_enabled():
+            return torch.ops.eaglet.moe_routed_experts(x, self.w13, self.w2, weights, expert_ids)
         if self.w13_t is not None and num_tokens <= DENSE_MAX_TOKENS and not torch.is_grad_enabled():
             return self._forward_dense(x, weights, expert_ids)
         if num_tokens == 1:

@@ -38,7 +38,7 @@ from eaglet.config import ModelConfig, TextConfig, parse_text_config, read_confi
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
 from eaglet.errors import CheckpointError, ConfigError
-from eaglet.layers.attention_backend import TorchNativeMLABackend
+from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.gqa_attention import (
     GQAAttention,
     GQAKVPool,
@@ -435,10 +435,11 @@ class Eagle3Draft(nn.Module):
         return GQAKVPool(1, num_slots, attn.num_key_value_heads, attn.head_dim, dtype, device)
 
     def make_backend(
-        self, cache: KVCacheManager, pool: LatentKVPool | GQAKVPool
+        self, cache: KVCacheManager, pool: LatentKVPool | GQAKVPool, fused: bool = False
     ) -> TorchNativeMLABackend | TorchNativeGQABackend:
+        """``fused``: an MLA draft attends with the fused CPU kernel (FusedCPUMLABackend)."""
         if self.config.kind == "mla":
-            return TorchNativeMLABackend(cache, pool)
+            return FusedCPUMLABackend(cache, pool) if fused else TorchNativeMLABackend(cache, pool)
         return TorchNativeGQABackend(cache, pool)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

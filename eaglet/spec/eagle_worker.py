@@ -67,6 +67,7 @@ class EagleWorker:
         spec: SpeculativeConfig,
         cache: KVCacheManager,
         eos_token_ids: frozenset[int] = frozenset(),
+        fused_attention: bool = False,
     ) -> None:
         self.runner = runner
         self.draft = draft
@@ -76,7 +77,7 @@ class EagleWorker:
         self.eos_token_ids = eos_token_ids
         dtype = next(draft.parameters()).dtype
         self.pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, dtype, cache.device))
-        self.draft_backend = draft.make_backend(cache, self.pool)
+        self.draft_backend = draft.make_backend(cache, self.pool, fused=fused_attention)
         self.capture_layers = tuple(draft_config.aux_layer_ids)
         self.timer = PhaseTimer()
 

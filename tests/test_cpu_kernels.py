@@ -1,0 +1,289 @@
+"""eaglet's fused CPU kernels (eaglet/kernels) against the PyTorch ops they replace, and the
+property they are built for: a token's result does not depend on the tokens beside it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglet import kernels
+from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
+from eaglet.layers.linear import pack_for_inference
+from eaglet.layers.moe import NoAuxRouter, RoutedExperts
+from eaglet.layers.norms import RMSNorm
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels not built: {kernels.unavailable_reason()}")
+
+
+def test_turned_off_by_environment_variable():
+    code = "import eaglet.kernels as k; print(k.available(), k.unavailable_reason())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EAGLET_CPU_KERNELS": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False turned off by EAGLET_CPU_KERNELS=0"
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_pytorch_and_is_row_independent(dtype):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(384, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(384, generator=g).to(dtype)
+    x = (torch.randn(37, 384, generator=g) * 3).to(dtype)
+    with torch.inference_mode():
+        expected = norm(x)
+        norm.fused = True
+        got = norm(x)
+        alone = torch.cat([norm(x[i : i + 1]) for i in range(x.shape[0])])
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    else:  # the float32 sums differ in order: at most one bfloat16 rounding step apart
+        torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-2)
+        assert (got != expected).float().mean() < 0.02
+    assert torch.equal(got, alone)
+
+
+def test_rms_norm_keeps_pytorch_under_autograd():
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.ones(64)
+    norm.weight.requires_grad_(True)
+    norm.fused = True
+    x = torch.randn(3, 64, requires_grad=True)
+    norm(x).sum().backward()  # the kernel has no backward: training must take the PyTorch ops
+    assert x.grad is not None and norm.weight.grad is not None
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+
+class _RouterConfig:
+    def __init__(self, **overrides):
+        self.n_routed_experts, self.hidden_size, self.num_experts_per_tok = 16, 96, 3
+        self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor = 4, 2, True, 2.5
+        self.__dict__.update(overrides)
+
+
+ROUTERS = {
+    "grouped": {},
+    "all-groups": {"n_group": 1, "topk_group": 1},
+    "no-norm": {"norm_topk_prob": False, "routed_scaling_factor": 1.0, "num_experts_per_tok": 2},
+    "odd-sizes": {"n_routed_experts": 6, "hidden_size": 35, "n_group": 3, "topk_group": 1, "num_experts_per_tok": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_matches_pytorch_and_is_row_independent(name, dtype):
+    g = torch.Generator().manual_seed(1)
+    router = NoAuxRouter(_RouterConfig(**ROUTERS[name]))
+    router.weight.data = torch.randn(router.weight.shape, generator=g)
+    router.e_score_correction_bias.data = torch.randn(router.weight.shape[0], generator=g) * 0.1
+    x = torch.randn(29, router.weight.shape[1], generator=g).to(dtype)
+    with torch.inference_mode():
+        expected_w, expected_ids = router(x)
+        router.fused = True
+        got_w, got_ids = router(x)
+        alone = [router(x[i : i + 1]) for i in range(x.shape[0])]
+    # The same experts per token (order is free: every consumer combines them by expert id).
+    order_e, order_g = expected_ids.argsort(-1), got_ids.argsort(-1)
+    assert torch.equal(expected_ids.gather(1, order_e), got_ids.gather(1, order_g))
+    torch.testing.assert_close(got_w.gather(1, order_g), expected_w.gather(1, order_e), rtol=1e-5, atol=1e-6)
+    assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
+    assert torch.equal(got_w, torch.cat([w for w, _ in alone]))
+    assert torch.equal(got_ids, torch.cat([i for _, i in alone]))
+
+
+def test_router_rejects_a_top_k_beyond_the_kept_experts():
+    router = NoAuxRouter(_RouterConfig(num_experts_per_tok=9))  # 2 of 4 groups keep 8 experts
+    router.weight.data.normal_()
+    router.e_score_correction_bias.data.zero_()
+    router.fused = True
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="top_k out of range"):
+        router(torch.randn(2, 96))
+
+
+# ---- routed experts (bfloat16) ----------------------------------------------------------------
+
+bf16_experts = pytest.mark.skipif(not (kernels.available() and torch.ops.eaglet_info.bf16_experts_supported()),
+                                  reason="CPU without AVX512-BF16")
+
+
+def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExperts:
+    g = torch.Generator().manual_seed(seed)
+    experts = RoutedExperts(num_experts, hidden, inter)
+    experts.w13.data = (torch.randn(experts.w13.shape, generator=g) / hidden**0.5).bfloat16()
+    experts.w2.data = (torch.randn(experts.w2.shape, generator=g) / inter**0.5).bfloat16()
+    experts.process_weights_after_loading()
+    pack_for_inference(experts)
+    return experts
+
+
+@bf16_experts
+@pytest.mark.parametrize(("num_tokens", "top_k", "hidden", "inter"), [(1, 2, 512, 256), (13, 3, 96, 40), (40, 1, 72, 48)])
+def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k, hidden, inter):
+    experts = _experts(6, hidden, inter, seed=num_tokens)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(num_tokens, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(6, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    with torch.inference_mode():
+        expected = experts(x, weights, ids)
+        experts.fused = True
+        got = experts(x, weights, ids)
+        alone = torch.cat([experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(num_tokens)])
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # bfloat16 products rounded in other places: a few bfloat16 steps of the largest output apart
+    scale = expected.float().abs().max()
+    torch.testing.assert_close(got.float() / scale, expected.float() / scale, rtol=0, atol=2e-2)
+    assert torch.equal(got, alone)
+
+
+@bf16_experts
+def test_routed_experts_reject_an_expert_id_out_of_range():
+    experts = _experts(4, 64, 32, seed=0)
+    experts.fused = True
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="expert id 4 out of range"):
+        experts(torch.randn(2, 64).bfloat16(), torch.ones(2, 1), torch.tensor([[1], [4]]))
+
+
+# ---- absorbed MLA attention --------------------------------------------------------------------
+
+
+class _Layer:
+    """The attributes of MLAAttention that a backend reads, at DeepSeek-V3's per-head sizes."""
+
+    def __init__(self, heads: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.layer_id, self.num_heads, self.kv_lora_rank = 0, heads, 512
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = 64, 64, 64
+        self.w_uk = torch.randn(heads, 64, 512, generator=g) / 8
+        self.w_uv_t = torch.randn(heads, 512, 64, generator=g) / 20
+        self.scaling = 128**-0.5
+
+
+def _cache(dtype: torch.dtype, seed: int = 0) -> KVCacheManager:
+    cache = KVCacheManager(num_layers=1, kv_cache_dim=576, num_blocks=64, block_size=8, max_requests=8,
+                           max_context_len=256, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    cache.target.kv.copy_(torch.randn(cache.target.kv.shape, generator=g).to(dtype))
+    return cache
+
+
+def _batch(cache: KVCacheManager, rows: list[int], prefix_lens: list[int], new_lens: list[int],
+           custom_mask: torch.Tensor | None = None) -> ForwardBatch:
+    slots = torch.cat([cache.grow(r, p + n)[-n:] for r, p, n in zip(rows, prefix_lens, new_lens)])
+    mode = ForwardMode.DECODE if all(n == 1 for n in new_lens) and custom_mask is None else ForwardMode.VERIFY
+    return ForwardBatch.build(input_ids=[0] * sum(new_lens), req_pool_indices=rows, extend_prefix_lens=prefix_lens,
+                              extend_seq_lens=new_lens, out_cache_loc=slots, mode=mode, custom_mask=custom_mask)
+
+
+def _queries(num_tokens: int, layer: _Layer, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(num_tokens, layer.num_heads, 64, generator=g).to(dtype)
+    q_pe = torch.randn(num_tokens, layer.num_heads, 64, generator=g).to(dtype)
+    return q_nope, q_pe
+
+
+SHAPES = {
+    "decode": ([30], [1]),
+    "ragged-decode": ([5, 70, 33, 12], [1, 1, 1, 1]),
+    "chain-verify": ([20, 41, 9], [4, 4, 4]),
+    "ragged-extend": ([0, 17, 3], [6, 2, 9]),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_attention_matches_pytorch(name, dtype):
+    prefix_lens, new_lens = SHAPES[name]
+    cache, layer = _cache(dtype), _Layer()
+    rows = [cache.alloc_row() for _ in prefix_lens]
+    for r, p in zip(rows, prefix_lens):
+        cache.grow(r, p)
+    batch = _batch(cache, rows, prefix_lens, new_lens)
+    q_nope, q_pe = _queries(batch.num_tokens, layer, dtype, seed=2)
+    with torch.inference_mode():
+        expected = TorchNativeMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
+        got = FusedCPUMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_attention_with_a_tree_mask_matches_pytorch(dtype):
+    cache, layer = _cache(dtype, seed=3), _Layer(heads=4)
+    prefix_lens, tree = [11, 26], 5
+    rows = [cache.alloc_row() for _ in prefix_lens]
+    for r, p in zip(rows, prefix_lens):
+        cache.grow(r, p)
+    parents = [-1, 0, 0, 1, 2]  # root, two children, a grandchild under each
+    max_len = max(prefix_lens) + tree
+    mask = torch.zeros(tree * len(rows), max_len, dtype=torch.bool)
+    for b, p in enumerate(prefix_lens):
+        for node in range(tree):
+            mask[b * tree + node, :p] = True
+            ancestor = node
+            while ancestor >= 0:
+                mask[b * tree + node, p + ancestor] = True
+                ancestor = parents[ancestor]
+    batch = _batch(cache, rows, prefix_lens, [tree] * len(rows), custom_mask=mask)
+    q_nope, q_pe = _queries(batch.num_tokens, layer, dtype, seed=4)
+    with torch.inference_mode():
+        expected = TorchNativeMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
+        got = FusedCPUMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype):
+    """Every token of a ragged verify batch equals, bit for bit, the same token attended alone as a
+    decode step over the keys it sees: what lossless greedy speculation needs, with no padding."""
+    cache, layer = _cache(dtype, seed=5), _Layer()
+    prefix_lens, new_lens = [9, 40, 23], [3, 5, 1]
+    rows = [cache.alloc_row() for _ in prefix_lens]
+    for r, p in zip(rows, prefix_lens):
+        cache.grow(r, p)
+    backend = FusedCPUMLABackend(cache)
+    batch = _batch(cache, rows, prefix_lens, new_lens)
+    q_nope, q_pe = _queries(batch.num_tokens, layer, dtype, seed=6)
+    with torch.inference_mode():
+        together = backend._absorbed(layer, q_nope, q_pe, batch)
+        token = 0
+        for b, (row, p, n) in enumerate(zip(rows, prefix_lens, new_lens)):
+            for i in range(n):
+                # The same row of the table, cut after this token: it sees the same keys.
+                single = ForwardBatch.build(input_ids=[0], req_pool_indices=[row], extend_prefix_lens=[p + i],
+                                            extend_seq_lens=[1], out_cache_loc=cache.req_to_token[row, p + i : p + i + 1])
+                alone = backend._absorbed(layer, q_nope[token : token + 1], q_pe[token : token + 1], single)
+                assert torch.equal(alone[0], together[token]), (b, i)
+                token += 1
+
+
+def test_mla_attention_rejects_inconsistent_metadata():
+    cache, layer = _cache(torch.float32), _Layer()
+    row = cache.alloc_row()
+    cache.grow(row, 10)
+    q_nope, q_pe = _queries(2, layer, torch.float32, seed=7)
+    slots = cache.req_to_token[[row], :10]
+    op = torch.ops.eaglet.mla_absorbed_attention
+    args = (q_nope, q_pe, cache.target.kv[0], layer.w_uk, layer.w_uv_t)
+    with pytest.raises(RuntimeError, match="token_starts do not cover the tokens"):
+        op(*args, slots, torch.tensor([10]), torch.tensor([0, 1]), None, 0.1)
+    with pytest.raises(RuntimeError, match="has 2 tokens and 11 keys"):
+        op(*args, slots, torch.tensor([11]), torch.tensor([0, 2]), None, 0.1)
+    bad_slots = slots.clone()
+    bad_slots[0, 3] = cache.target.kv.shape[1]
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(*args, bad_slots, torch.tensor([10]), torch.tensor([0, 2]), None, 0.1)
+    with pytest.raises(RuntimeError, match="float32 W_UK"):
+        op(q_nope, q_pe, cache.target.kv[0], layer.w_uk.double(), layer.w_uv_t, slots, torch.tensor([10]),
+           torch.tensor([0, 2]), None, 0.1)
