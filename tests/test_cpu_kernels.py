@@ -13,7 +13,7 @@ from eaglet import kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
-from eaglet.layers.linear import pack_for_inference
+from eaglet.layers.linear import linear, pack_for_inference, pack_weight_for_amx
 from eaglet.layers.moe import NoAuxRouter, RoutedExperts
 from eaglet.layers.norms import RMSNorm
 
@@ -109,10 +109,37 @@ def test_router_rejects_a_top_k_beyond_the_kept_experts():
         router(torch.randn(2, 96))
 
 
-# ---- routed experts (bfloat16) ----------------------------------------------------------------
+# ---- AMX bfloat16 GEMMs and routed experts --------------------------------------------------
 
-bf16_experts = pytest.mark.skipif(not (kernels.available() and torch.ops.eaglet_info.bf16_experts_supported()),
-                                  reason="CPU without AVX512-BF16")
+amx = pytest.mark.skipif(not (kernels.available() and torch.ops.eaglet_info.amx_supported()), reason="CPU without AMX")
+
+
+@amx
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 512, False), (70, 40, True), (32000, 64, False)])
+def test_amx_linear_matches_f_linear_and_gives_a_row_the_same_bits_at_any_row_count(out_features, in_features, bias):
+    g = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(41, in_features, generator=g).bfloat16()
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    pack_weight_for_amx(weight)
+    with torch.inference_mode():
+        got = linear(x, weight, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (41, out_features)
+        torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+        for rows in (1, 2, 15, 16, 17, 33):
+            assert torch.equal(linear(x[:rows], weight, b), got[:rows])
+        assert torch.equal(linear(x[40:41], weight, b)[0], got[40])
+
+
+@amx
+def test_amx_linear_rejects_a_weight_it_did_not_pack():
+    weight = torch.randn(64, 32).bfloat16()
+    packed = torch.ops.eaglet.amx_pack_weight(weight)
+    with pytest.raises(RuntimeError, match="does not match its packed copy"):
+        torch.ops.eaglet.amx_linear(torch.randn(2, 64).bfloat16(), packed, 64, None)
+    with pytest.raises(RuntimeError, match="not packed"):
+        torch.ops.eaglet.amx_linear(torch.randn(2, 32).bfloat16(), weight, 64, None)
 
 
 def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExperts:
@@ -125,7 +152,7 @@ def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExpe
     return experts
 
 
-@bf16_experts
+@amx
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden", "inter"), [(1, 2, 512, 256), (13, 3, 96, 40), (40, 1, 72, 48)])
 def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k, hidden, inter):
     experts = _experts(6, hidden, inter, seed=num_tokens)
@@ -135,7 +162,8 @@ def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k,
     weights = torch.rand(num_tokens, top_k, generator=g)
     with torch.inference_mode():
         expected = experts(x, weights, ids)
-        experts.fused = True
+        kernels.use_cpu_kernels(experts)
+        assert experts.amx_weights is not None
         got = experts(x, weights, ids)
         alone = torch.cat([experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(num_tokens)])
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
@@ -145,10 +173,10 @@ def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k,
     assert torch.equal(got, alone)
 
 
-@bf16_experts
+@amx
 def test_routed_experts_reject_an_expert_id_out_of_range():
     experts = _experts(4, 64, 32, seed=0)
-    experts.fused = True
+    kernels.use_cpu_kernels(experts)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="expert id 4 out of range"):
         experts(torch.randn(2, 64).bfloat16(), torch.ones(2, 1), torch.tensor([[1], [4]]))
 

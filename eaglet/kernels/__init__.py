@@ -1,10 +1,10 @@
 """eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
 
 The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``noaux_route`` (DeepSeek-V3 routing),
-``moe_routed_experts`` (bfloat16 routed experts of small batches, on CPUs with AVX512-BF16) and
-``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache). Each does in one
-call what the PyTorch fallback does in 5-40 ops, and computes every token independently of the
-rest of its batch.
+``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
+AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles) and ``moe_routed_experts`` (all routed experts
+in one call). Each does in one call what the PyTorch fallback does in 5-40 ops, and computes every
+token independently of the rest of its batch.
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
 ``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source and the torch
@@ -70,20 +70,32 @@ def unavailable_reason() -> str | None:
 
 
 def use_cpu_kernels(model: torch.nn.Module) -> int:
-    """Switches the model's RMSNorms, routers and (bfloat16 with AVX512-BF16) routed experts to the
-    kernels (they need ``available()``);
-    returns how many modules were switched. Attention is the backend's (FusedCPUMLABackend)."""
+    """Switches the model to the kernels (they need ``available()``): RMSNorms and routers; on CPUs
+    with AMX, every bfloat16 matrix that ``linear`` multiplies (``packable_weights``) gets its tile
+    layout copy and the routed experts run in one call. Attention is the backend's
+    (FusedCPUMLABackend). Returns how many modules and matrices were switched."""
+    from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
     from eaglet.layers.moe import NoAuxRouter, RoutedExperts
     from eaglet.layers.norms import RMSNorm
 
     if not available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {unavailable_reason()}")
-    fused_types: tuple[type, ...] = (RMSNorm, NoAuxRouter)
-    if torch.ops.eaglet_info.bf16_experts_supported():
-        fused_types += (RoutedExperts,)
+    amx = torch.ops.eaglet_info.amx_supported()
     count = 0
     for module in model.modules():
-        if isinstance(module, fused_types):
+        if isinstance(module, (RMSNorm, NoAuxRouter)):
             module.fused = True
+            count += 1
+        if not amx:
+            continue
+        for weight in module.packable_weights() if hasattr(module, "packable_weights") else ():
+            if weight.dim() == 2 and weight.dtype == torch.bfloat16 and not hasattr(weight, AMX_PACKED):
+                pack_weight_for_amx(weight)
+                count += 1
+        if isinstance(module, RoutedExperts) and module.w13_per_expert and module.w13.dtype == torch.bfloat16:
+            module.amx_weights = (
+                [getattr(w, AMX_PACKED)[0] for w in module.w13_per_expert],
+                [getattr(w, AMX_PACKED)[0] for w in module.w2_per_expert],
+            )
             count += 1
     return count

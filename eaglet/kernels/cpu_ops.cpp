@@ -21,6 +21,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -110,6 +112,59 @@ inline float exp_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.0f ? 0.0f : p * scale;
+}
+
+#if defined(__AVX512F__)
+// exp_approx for 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(normal, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
+#endif
+
+// x[i] = exp_approx(x[i] - shift) for a row, returns the sum of the results (in a fixed order).
+inline float exp_shifted_row(float* x, float shift, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(shift))));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) total += (x[i] = exp_approx(x[i] - shift));
+  return total;
+#endif
+}
+
+// dst[i] = bfloat16(src[i] (+ bias[i])), rounding to nearest even.
+inline void store_bf16(at::BFloat16* dst, const float* src, const at::BFloat16* bias, int64_t n) {
+#if defined(__AVX512BF16__)
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+    if (bias) v = _mm512_add_ps(v, load16(bias + i, m));
+    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(bias ? src[i] + static_cast<float>(bias[i]) : src[i]);
+#endif
 }
 
 // Below this many multiply-adds a kernel runs on the calling thread: waking the pool costs more.
@@ -410,11 +465,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
           std::fill(p, p + keys, 0.0f);
           continue;
         }
-        float total = 0.0f;
-        for (int64_t s = 0; s < keys; ++s) {
-          p[s] = exp_approx(p[s] - max_score);
-          total += p[s];
-        }
+        const float total = exp_shifted_row(p, max_score, keys);
         const float inv_total = 1.0f / total;
         for (int64_t s = 0; s < keys; ++s) p[s] *= inv_total;
       }
@@ -490,144 +541,270 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
   return out;
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Experts = true;
+constexpr int64_t kTileRows = 16, kTileK = 32, kTileN = 16, kGroupN = 4 * kTileN;
 
-// out[x][w] = dot(x_rows[x], w_rows[w]) over n bfloat16 values, for NX x NW pairs at once;
-// each pair is summed the same way whatever NX and NW are (pairs of products per lane, lanes in order).
-template <int NX, int NW>
-inline void dot_bf16(const at::BFloat16* const* x_rows, const at::BFloat16* const* w_rows, int64_t n, float* out,
-                     int64_t out_stride) {
-  __m512 acc[NX][NW];
-  for (int x = 0; x < NX; ++x)
-    for (int w = 0; w < NW; ++w) acc[x][w] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 32) {
-    const int64_t left = n - i;
-    const __mmask32 m = left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1);
-    __m512bh wv[NW];
-    for (int w = 0; w < NW; ++w) wv[w] = (__m512bh)_mm512_maskz_loadu_epi16(m, w_rows[w] + i);
-    for (int x = 0; x < NX; ++x) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x_rows[x] + i);
-      for (int w = 0; w < NW; ++w) acc[x][w] = _mm512_dpbf16_ps(acc[x][w], xv, wv[w]);
-    }
-  }
-  for (int x = 0; x < NX; ++x)
-    for (int w = 0; w < NW; ++w) out[x * out_stride + w] = _mm512_reduce_add_ps(acc[x][w]);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kAmx = true;
+
+// AMX tiles: tmm0-3 accumulate 16 rows x 64 output columns in float32, tmm4 holds 16 rows x 32
+// bfloat16 of x, tmm5-7 hold weight blocks of 32 (k) x 16 (n) in the pair-interleaved layout.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {
+  // Linux hands out AMX state per process on request (oneDNN asks too; asking twice is harmless).
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
 }
 
-// out[x * out_stride + w] = dot(x_rows[x], w_rows[w]) for every x < num_x, w < num_w.
-void dot_bf16_all(const at::BFloat16* const* x_rows, int64_t num_x, const at::BFloat16* const* w_rows, int64_t num_w,
-                  int64_t n, float* out, int64_t out_stride) {
-  for (int64_t w = 0; w < num_w; w += 4) {
-    const int64_t nw = std::min<int64_t>(4, num_w - w);
-    for (int64_t x = 0; x < num_x; x += 4) {
-      const int64_t nx = std::min<int64_t>(4, num_x - x);
-      float* o = out + x * out_stride + w;
-      if (nx == 4 && nw == 4) {
-        dot_bf16<4, 4>(x_rows + x, w_rows + w, n, o, out_stride);
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+void release_tiles() { _tile_release(); }
+
+// out[r][0:64] (row stride out_stride) = x_pad rows r < m against one group of four 16-column
+// weight blocks, in float32. x_pad holds whole tiles: ceil(m / 16) * 16 rows of kp = k_blocks * 32
+// values, zero beyond the real ones. Tiles must be configured on this thread.
+// k runs in chunks of kChunkBlocks tiles (the group's weight for a chunk, 32 KB, stays in L1 while
+// every row block passes); partial sums wait in float32 between chunks, which changes no bits: each
+// output is the same tile-product chain in k order for any m.
+constexpr int64_t kChunkBlocks = 8;
+
+void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
+               float* out, int64_t out_stride) {
+  const int64_t block_elems = kTileK * kTileN, w_step = k_blocks * block_elems;
+  const int64_t m_blocks = (m + kTileRows - 1) / kTileRows;
+  thread_local std::vector<float> partial;
+  partial.resize(m_blocks * kTileRows * kGroupN);
+  constexpr int64_t stride = kGroupN * 4;  // bytes per row of a partial block
+  for (int64_t k0 = 0; k0 < k_blocks; k0 += kChunkBlocks) {
+    const int64_t k1 = std::min(k_blocks, k0 + kChunkBlocks);
+    for (int64_t mb = 0; mb < m_blocks; ++mb) {
+      float* c = partial.data() + mb * kTileRows * kGroupN;
+      if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
       } else {
-        for (int64_t xi = 0; xi < nx; ++xi)
-          for (int64_t wi = 0; wi < nw; ++wi) dot_bf16<1, 1>(x_rows + x + xi, w_rows + w + wi, n, o + xi * out_stride + wi, 1);
+        _tile_loadd(0, c, stride);
+        _tile_loadd(1, c + 16, stride);
+        _tile_loadd(2, c + 32, stride);
+        _tile_loadd(3, c + 48, stride);
       }
+      const at::BFloat16* xrow = x_pad + mb * kTileRows * kp;
+      for (int64_t kb = k0; kb < k1; ++kb) {
+        _tile_loadd(4, xrow + kb * kTileK, kp * 2);
+        const at::BFloat16* wb = w_group + kb * block_elems;
+        _tile_loadd(5, wb, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, wb + w_step, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, wb + 2 * w_step, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, wb + 3 * w_step, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, c, stride);
+      _tile_stored(1, c + 16, stride);
+      _tile_stored(2, c + 32, stride);
+      _tile_stored(3, c + 48, stride);
     }
   }
+  for (int64_t r = 0; r < m; ++r) std::memcpy(out + r * out_stride, partial.data() + r * kGroupN, kGroupN * sizeof(float));
 }
 #else
-constexpr bool kBf16Experts = false;
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+void configure_tiles() {}
+void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t) {}
+void release_tiles() {}
 #endif
 
-bool bf16_experts_supported() { return kBf16Experts; }
+bool amx_supported() { return kAmx && amx_permitted(); }
 
-// Routed SwiGLU experts of a bfloat16 model for a small batch, in one call: tokens grouped by
-// expert, gate/up and down products as bfloat16 dot products (AVX512-BF16), silu(gate) * up rounded
-// to bfloat16 between them as the PyTorch path rounds, and each token's expert outputs weighted
-// and summed in float32 in ascending expert id. Every (token, expert) row is computed alone.
-at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
-                              const at::Tensor& ids) {
-  TORCH_CHECK(kBf16Experts, "moe_routed_experts: this CPU build has no AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16,
-              "moe_routed_experts: bfloat16 x and expert weights");
-  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
-                  w13.size(1) == 2 * w2.size(2) && w13.size(0) == w2.size(0),
-              "moe_routed_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I]");
+// A bfloat16 weight [N, K] in the tile layout: blocks of 16 columns (padded to groups of four
+// blocks) x 32 k, each block 16 rows of (k pair) x 16 columns x 2.
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "amx_pack_weight: bfloat16 [N, K]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t n_blocks = (n + kGroupN - 1) / kGroupN * 4, k_blocks = (k + kTileK - 1) / kTileK;
+  at::Tensor packed = at::zeros({n_blocks, k_blocks, kTileK / 2, kTileN, 2}, w.options());
+  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = packed.data_ptr<at::BFloat16>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t nb = row / kTileN, col = row % kTileN;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const int64_t kb = kk / kTileK, pair = (kk % kTileK) / 2, within = kk % 2;
+      dst[(((nb * k_blocks + kb) * (kTileK / 2) + pair) * kTileN + col) * 2 + within] = src[row * k + kk];
+    }
+  }
+  return packed;
+}
+
+void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* what) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 && packed.size(2) == kTileK / 2 &&
+                  packed.size(3) == kTileN && packed.size(0) % 4 == 0,
+              what, ": weight not packed by amx_pack_weight");
+  TORCH_CHECK((k + kTileK - 1) / kTileK == packed.size(1) && n <= packed.size(0) * kTileN && n > packed.size(0) * kTileN - kGroupN,
+              what, ": a [", n, ", ", k, "] weight does not match its packed copy");
+}
+
+// rows zero-padded to whole tiles: [ceil(rows / 16) * 16, k_blocks * 32]
+at::Tensor padded_tiles(const at::Tensor& x, int64_t k_blocks) {
+  const int64_t rows = x.size(0);
+  at::Tensor x_pad = at::zeros({(rows + kTileRows - 1) / kTileRows * kTileRows, k_blocks * kTileK}, x.options());
+  x_pad.narrow(0, 0, rows).narrow(1, 0, x.size(1)).copy_(x);
+  return x_pad;
+}
+
+// Parallel over threads once the weight is big enough for the pool's wake-up (a few us) to pay.
+inline bool worth_threads(int64_t m, int64_t n, int64_t k) { return n * k * std::max<int64_t>(m, kTileRows) >= (int64_t{1} << 22); }
+
+// x [M, K] @ W^T with W packed by amx_pack_weight, out bfloat16 [M, N] (+ bias). Each output row
+// comes from its own tile row: its bits do not depend on M or on the other rows.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_supported(), "amx_linear: this CPU or build has no AMX");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 x [M, K]");
+  check_packed(packed, x.size(1), n, "amx_linear");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "amx_linear: bfloat16 bias [N]");
+  const int64_t m = x.size(0), k_blocks = packed.size(1), n_groups = packed.size(0) / 4;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const at::Tensor x_pad = padded_tiles(x, k_blocks);
+  const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
+  const at::BFloat16* xp = x_pad.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t kp = k_blocks * kTileK, group_elems = 4 * k_blocks * kTileK * kTileN;
+  at::parallel_for(0, n_groups, worth_threads(m, n, kp) ? 1 : n_groups, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<float> c(m * kGroupN);
+    for (int64_t g = begin; g < end; ++g) {
+      amx_group(xp, m, kp, wp + g * group_elems, k_blocks, c.data(), kGroupN);
+      const int64_t cols = std::min(kGroupN, n - g * kGroupN);
+      for (int64_t r = 0; r < m; ++r) {  // bias added to the float32 sum, then one rounding
+        store_bf16(op + r * n + g * kGroupN, c.data() + r * kGroupN, bp ? bp + g * kGroupN : nullptr, cols);
+      }
+    }
+    release_tiles();
+  });
+  return out;
+}
+
+// Routed SwiGLU experts of a bfloat16 model in one call: tokens grouped by expert, each expert's
+// gate/up and down products on AMX tiles (amx_group), silu(gate) * up rounded to bfloat16 between
+// them as the PyTorch path rounds, and each token's expert outputs weighted and summed in float32
+// in ascending expert id. Every (token, expert) row is computed alone: the same bits at any batch.
+at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
+                              const at::Tensor& weights, const at::Tensor& ids, int64_t inter) {
+  TORCH_CHECK(amx_supported(), "moe_routed_experts: this CPU or build has no AMX");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_routed_experts: bfloat16 x [T, D]");
+  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "moe_routed_experts: one packed w13 and w2 per expert");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = static_cast<int64_t>(w13.size());
+  for (int64_t e = 0; e < experts; ++e) {
+    check_packed(w13[e], hidden, 2 * inter, "moe_routed_experts w13");
+    check_packed(w2[e], inter, hidden, "moe_routed_experts w2");
+  }
   TORCH_CHECK(weights.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong && weights.sizes() == ids.sizes() &&
-                  ids.dim() == 2 && ids.size(0) == x.size(0),
+                  ids.dim() == 2 && ids.size(0) == tokens,
               "moe_routed_experts: float32 weights and int64 ids, both [T, k]");
-#if defined(__AVX512BF16__)
-  const at::Tensor xc = x.contiguous(), w13c = w13.contiguous(), w2c = w2.contiguous();
-  const at::Tensor wc = weights.contiguous(), ic = ids.contiguous();
-  const int64_t tokens = x.size(0), hidden = x.size(1), experts = w13.size(0), inter = w2.size(2), top_k = ids.size(1);
+  const at::Tensor xc = x.contiguous(), wc = weights.contiguous(), ic = ids.contiguous();
+  const int64_t top_k = ids.size(1), assigned = tokens * top_k;
   const int64_t* idp = ic.data_ptr<int64_t>();
   const float* wp = wc.data_ptr<float>();
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* w13p = w13c.data_ptr<at::BFloat16>();
-  const at::BFloat16* w2p = w2c.data_ptr<at::BFloat16>();
-  // Assignments grouped by expert, tokens in order within each (a counting sort).
-  std::vector<int64_t> offsets(experts + 1, 0), order(tokens * top_k);
-  for (int64_t a = 0; a < tokens * top_k; ++a) {
+  // Assignments grouped by expert, tokens in order within each (a counting sort); each expert's
+  // rows start on a whole tile in the padded buffers.
+  std::vector<int64_t> count(experts, 0), order(assigned), tile_start(experts + 1, 0);
+  for (int64_t a = 0; a < assigned; ++a) {
     TORCH_CHECK(idp[a] >= 0 && idp[a] < experts, "moe_routed_experts: expert id ", idp[a], " out of range");
-    ++offsets[idp[a] + 1];
+    ++count[idp[a]];
   }
-  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  std::vector<int64_t> first(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    first[e + 1] = first[e] + count[e];
+    tile_start[e + 1] = tile_start[e] + (count[e] + kTileRows - 1) / kTileRows * kTileRows;
+  }
   {
-    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (int64_t a = 0; a < tokens * top_k; ++a) order[fill[idp[a]]++] = a;
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (int64_t a = 0; a < assigned; ++a) order[fill[idp[a]]++] = a;
   }
-  const int64_t assigned = tokens * top_k;
-  std::vector<const at::BFloat16*> x_rows(assigned);
-  for (int64_t a = 0; a < assigned; ++a) x_rows[a] = xp + (order[a] / top_k) * hidden;
-  std::vector<at::BFloat16> act(assigned * inter);
-  std::vector<float> expert_out(assigned * hidden);
-  constexpr int64_t kBlock = 16;  // output columns per work item
-  const int64_t inter_blocks = (inter + kBlock - 1) / kBlock, hidden_blocks = (hidden + kBlock - 1) / kBlock;
-  const int64_t grain_up = std::max<int64_t>(1, kParallelWork / (std::max<int64_t>(1, assigned / experts) * 2 * kBlock * hidden));
-  at::parallel_for(0, experts * inter_blocks, grain_up, [&](int64_t begin, int64_t end) {
-    std::vector<const at::BFloat16*> w_rows(2 * kBlock);
-    std::vector<float> gate_up;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = item / inter_blocks, j0 = (item % inter_blocks) * kBlock, nj = std::min(kBlock, inter - j0);
-      const int64_t first = offsets[e], rows = offsets[e + 1] - first;
-      if (rows == 0) continue;
-      for (int64_t j = 0; j < nj; ++j) {
-        w_rows[j] = w13p + (e * 2 * inter + j0 + j) * hidden;
-        w_rows[nj + j] = w13p + (e * 2 * inter + inter + j0 + j) * hidden;
-      }
-      gate_up.resize(rows * 2 * nj);
-      dot_bf16_all(x_rows.data() + first, rows, w_rows.data(), 2 * nj, hidden, gate_up.data(), 2 * nj);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < nj; ++j) {
-          const float gate = static_cast<float>(at::BFloat16(gate_up[r * 2 * nj + j]));
-          const float up = static_cast<float>(at::BFloat16(gate_up[r * 2 * nj + nj + j]));
-          const float silu = static_cast<float>(at::BFloat16(gate / (1.0f + std::exp(-gate))));
-          act[(first + r) * inter + j0 + j] = at::BFloat16(silu * up);
-        }
-      }
+  const int64_t kb_hidden = w13[0].size(1), kb_inter = w2[0].size(1);
+  const int64_t kp_hidden = kb_hidden * kTileK, kp_inter = kb_inter * kTileK, padded_rows = tile_start[experts];
+  std::vector<at::BFloat16> x_pad(padded_rows * kp_hidden, at::BFloat16(0.0f)), act(padded_rows * kp_inter, at::BFloat16(0.0f));
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t r = 0; r < count[e]; ++r) {
+      std::memcpy(x_pad.data() + (tile_start[e] + r) * kp_hidden, xp + (order[first[e] + r] / top_k) * hidden,
+                  hidden * sizeof(at::BFloat16));
     }
-  });
-  std::vector<const at::BFloat16*> act_rows(assigned);
-  for (int64_t a = 0; a < assigned; ++a) act_rows[a] = act.data() + a * inter;
-  const int64_t grain_down = std::max<int64_t>(1, kParallelWork / (std::max<int64_t>(1, assigned / experts) * kBlock * inter));
-  at::parallel_for(0, experts * hidden_blocks, grain_down, [&](int64_t begin, int64_t end) {
-    std::vector<const at::BFloat16*> w_rows(kBlock);
-    std::vector<float> block_out;
+  }
+  const int64_t up_groups = w13[0].size(0) / 4, down_groups = w2[0].size(0) / 4;
+  const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
+  std::vector<float> gate_up(padded_rows * up_width), expert_out(padded_rows * down_width);
+  const bool parallel = worth_threads(assigned, 2 * inter, hidden);
+  at::parallel_for(0, experts * up_groups, parallel ? 1 : experts * up_groups, [&](int64_t begin, int64_t end) {
+    configure_tiles();
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = item / hidden_blocks, d0 = (item % hidden_blocks) * kBlock, nd = std::min(kBlock, hidden - d0);
-      const int64_t first = offsets[e], rows = offsets[e + 1] - first;
-      if (rows == 0) continue;
-      for (int64_t d = 0; d < nd; ++d) w_rows[d] = w2p + (e * hidden + d0 + d) * inter;
-      block_out.resize(rows * nd);
-      dot_bf16_all(act_rows.data() + first, rows, w_rows.data(), nd, inter, block_out.data(), nd);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t d = 0; d < nd; ++d) expert_out[(first + r) * hidden + d0 + d] = static_cast<float>(at::BFloat16(block_out[r * nd + d]));
-      }
+      const int64_t e = item / up_groups, g = item % up_groups;
+      if (count[e] == 0) continue;
+      const int64_t group_elems = 4 * kb_hidden * kTileK * kTileN;
+      amx_group(x_pad.data() + tile_start[e] * kp_hidden, count[e], kp_hidden, w13[e].data_ptr<at::BFloat16>() + g * group_elems,
+                kb_hidden, gate_up.data() + tile_start[e] * up_width + g * kGroupN, up_width);
     }
+    release_tiles();
   });
-  // position of each assignment in the grouped order
-  std::vector<int64_t> slot_of(assigned);
-  for (int64_t a = 0; a < assigned; ++a) slot_of[order[a]] = a;
+  std::vector<at::BFloat16> gate_bf16(inter), up_bf16(inter);
+  std::vector<float> silu(inter);
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t r = 0; r < count[e]; ++r) {
+      const float* gu = gate_up.data() + (tile_start[e] + r) * up_width;
+      // gate and up as the bfloat16 GEMM output, silu(gate) rounded as F.silu on bfloat16 rounds
+      store_bf16(gate_bf16.data(), gu, nullptr, inter);
+      store_bf16(up_bf16.data(), gu + inter, nullptr, inter);
+      load_row(silu.data(), gate_bf16.data(), inter);
+      for (int64_t j = 0; j < inter; ++j) silu[j] = -silu[j];
+      exp_shifted_row(silu.data(), 0.0f, inter);  // exp(-gate)
+      for (int64_t j = 0; j < inter; ++j) silu[j] = static_cast<float>(gate_bf16[j]) / (1.0f + silu[j]);
+      store_bf16(gate_bf16.data(), silu.data(), nullptr, inter);
+      load_row(silu.data(), gate_bf16.data(), inter);
+      for (int64_t j = 0; j < inter; ++j) silu[j] *= static_cast<float>(up_bf16[j]);
+      store_bf16(act.data() + (tile_start[e] + r) * kp_inter, silu.data(), nullptr, inter);
+    }
+  }
+  at::parallel_for(0, experts * down_groups, parallel ? 1 : experts * down_groups, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = item / down_groups, g = item % down_groups;
+      if (count[e] == 0) continue;
+      const int64_t group_elems = 4 * kb_inter * kTileK * kTileN;
+      amx_group(act.data() + tile_start[e] * kp_inter, count[e], kp_inter, w2[e].data_ptr<at::BFloat16>() + g * group_elems,
+                kb_inter, expert_out.data() + tile_start[e] * down_width + g * kGroupN, down_width);
+    }
+    release_tiles();
+  });
+  // where each assignment's output row is
+  std::vector<int64_t> row_of(assigned);
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t r = 0; r < count[e]; ++r) row_of[order[first[e] + r]] = tile_start[e] + r;
+  }
   at::Tensor out = at::empty({tokens, hidden}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   std::vector<float> acc(hidden);
+  std::vector<at::BFloat16> rounded_bf16(hidden);
   std::vector<int64_t> by_id(top_k);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t k = 0; k < top_k; ++k) by_id[k] = k;
@@ -635,24 +812,27 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13, const 
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t k : by_id) {
       const float w = static_cast<float>(at::BFloat16(wp[t * top_k + k]));
-      axpy(acc.data(), w, expert_out.data() + slot_of[t * top_k + k] * hidden, hidden);
+      const float* y = expert_out.data() + row_of[t * top_k + k] * down_width;
+      store_bf16(rounded_bf16.data(), y, nullptr, hidden);  // the expert's bfloat16 output
+      axpy(acc.data(), w, rounded_bf16.data(), hidden);
     }
-    for (int64_t d = 0; d < hidden; ++d) op[t * hidden + d] = at::BFloat16(acc[d]);
+    store_bf16(op + t * hidden, acc.data(), nullptr, hidden);
   }
   return out;
-#else
-  return x;
-#endif
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(eaglet_info, m) { m.def("bf16_experts_supported", bf16_experts_supported); }
+TORCH_LIBRARY_FRAGMENT(eaglet_info, m) {
+  m.def("amx_supported", amx_supported);
+}
 
 TORCH_LIBRARY(eaglet, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
-  m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids) -> Tensor");
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("moe_routed_experts(Tensor x, Tensor[] w13, Tensor[] w2, Tensor weights, Tensor ids, int inter) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale) -> Tensor");
 }
 
@@ -661,4 +841,6 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("noaux_route", noaux_route);
   m.impl("mla_absorbed_attention", mla_absorbed_attention);
   m.impl("moe_routed_experts", moe_routed_experts);
+  m.impl("amx_pack_weight", amx_pack_weight);
+  m.impl("amx_linear", amx_linear);
 }

@@ -20,16 +20,24 @@ PACK_ROWS_HINT = 16
 EXACT_ROWS = 16
 PADDED_MAX_ROWS = 1024
 _PACKED = "_eaglet_packed"  # attribute of a weight tensor: (its oneDNN-packed copy, weight._version then)
+AMX_PACKED = "_eaglet_amx"  # attribute of a weight tensor: (its AMX tile-layout copy, weight._version then)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the weight's packed copy where ``pack_weight`` made one.
+    """F.linear(x, weight, bias), through the weight's AMX copy (``pack_weight_for_amx``) or
+    oneDNN-packed copy (``pack_weight``) where one was made.
 
     Without one: computed as ``(W @ x^T)^T`` for small float32 batches, since MKL's float32 GEMM for
     F.linear's [rows, in] x [in, out] form is slow for a handful of rows while the transposed
     product streams W row by row (measured 1.3-4x faster on an AVX2 EPYC). A column-major weight
     (the float32 lm_head, deepseek_v3.py) is already in the layout F.linear streams.
     """
+    amx = getattr(weight, AMX_PACKED, None)
+    if (amx is not None and amx[1] == weight._version and x.dim() == 2 and x.shape[0] <= PADDED_MAX_ROWS
+            and x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype) and not torch.is_grad_enabled()):
+        # Prefill chunks above PADDED_MAX_ROWS take F.linear: as fast there, and no verify pass
+        # has to reproduce their bits.
+        return torch.ops.eaglet.amx_linear(x, amx[0], weight.shape[0], bias)
     packed = getattr(weight, _PACKED, None)
     if packed is not None and packed[1] == weight._version and not torch.is_grad_enabled():
         rows = x.shape[0] if x.dim() == 2 else 0
@@ -107,3 +115,15 @@ def pack_for_inference(model: nn.Module) -> int:
                 pack_weight(weight)
                 count += 1
     return count
+
+
+def pack_weight_for_amx(weight: torch.Tensor) -> None:
+    """Attaches the tile-layout copy of a bfloat16 [out, in] weight that ``linear`` then multiplies
+    with eaglet's AMX kernel (torch.ops.eaglet.amx_linear, eaglet/kernels) for any row count: each
+    output row comes from its own tile row, so a token's bits do not depend on how many rows share
+    the call. Replaces the oneDNN copy (``pack_weight``), whose rounding changes with the row count
+    at some shapes."""
+    packed = torch.ops.eaglet.amx_pack_weight(weight.detach())
+    setattr(weight, AMX_PACKED, (packed, weight._version))
+    if hasattr(weight, _PACKED):
+        delattr(weight, _PACKED)

@@ -79,10 +79,6 @@ class NoAuxRouter(nn.Module):
 
 DENSE_MAX_WEIGHT_BYTES = 1 << 20
 DENSE_MAX_TOKENS = 64
-# The fused bfloat16 expert kernel (AVX512-BF16 dot products) beats oneDNN's AMX GEMMs while few
-# tokens share each expert: measured up to about 80 tokens at hidden 512 and 16 at hidden 2048
-# (benchmarks/bench_moe_kernel.py). It takes batches of up to max(16, FUSED_TOKEN_BUDGET / hidden).
-FUSED_TOKEN_BUDGET = 1 << 16
 
 
 class RoutedExperts(nn.Module):
@@ -110,7 +106,9 @@ class RoutedExperts(nn.Module):
         # [E, hidden, 2 * inter] and [E, inter, hidden] copies for the dense path, when it applies.
         self.w13_t: torch.Tensor | None = None
         self.w2_t: torch.Tensor | None = None
-        self.fused = False  # torch.ops.eaglet.moe_routed_experts (eaglet.kernels.use_cpu_kernels)
+        # Each expert's w13 / w2 in AMX tile layout, for torch.ops.eaglet.moe_routed_experts
+        # (eaglet.kernels.use_cpu_kernels); None: the PyTorch path.
+        self.amx_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def process_weights_after_loading(self) -> None:
         self.w13_per_expert = list(self.w13.detach().unbind(0))
@@ -139,9 +137,9 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = expert_ids.shape
-        fused_max_tokens = max(16, FUSED_TOKEN_BUDGET // x.shape[-1])
-        if self.fused and x.dtype == torch.bfloat16 and num_tokens <= fused_max_tokens and not torch.is_grad_enabled():
-            return torch.ops.eaglet.moe_routed_experts(x, self.w13, self.w2, weights, expert_ids)
+        if self.amx_weights is not None and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            w13, w2 = self.amx_weights
+            return torch.ops.eaglet.moe_routed_experts(x, w13, w2, weights, expert_ids, self.intermediate_size)
         if self.w13_t is not None and num_tokens <= DENSE_MAX_TOKENS and not torch.is_grad_enabled():
             return self._forward_dense(x, weights, expert_ids)
         if num_tokens == 1:
