@@ -14,8 +14,9 @@ from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.linear import linear, pack_for_inference, pack_weight_for_amx
-from eaglet.layers.moe import NoAuxRouter, RoutedExperts
+from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
 from eaglet.layers.norms import RMSNorm
+from eaglet.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels not built: {kernels.unavailable_reason()}")
 
@@ -58,6 +59,44 @@ def test_rms_norm_keeps_pytorch_under_autograd():
     x = torch.randn(3, 64, requires_grad=True)
     norm(x).sum().backward()  # the kernel has no backward: training must take the PyTorch ops
     assert x.grad is not None and norm.weight.grad is not None
+
+
+# ---- rotary embedding, cache writes --------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_pytorch_bit_for_bit(interleave, dtype):
+    from eaglet.config import RopeConfig
+
+    rotary = RotaryEmbedding(64, RopeConfig(rope_type="default", theta=10000.0), interleave)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(9, 5, 128, generator=g).to(dtype)
+    q_pe = q[..., 64:]  # the strided slice MLAAttention passes
+    k_pe = torch.randn(9, 64, generator=g).to(dtype)
+    cos, sin = rotary.cos_sin_as(torch.arange(9) * 7, dtype)
+    with torch.inference_mode():
+        expected = rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
+        rotary.fused = True
+        got = rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_equals_the_pool_write(cache_dtype):
+    cache = _cache(cache_dtype)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([17, 3, 200, 41])
+    c_kv = torch.randn(4, 512, generator=g).bfloat16()
+    k_pe = torch.randn(4, 64, generator=g).bfloat16()
+    expected = cache.target.kv.clone()
+    with torch.inference_mode():
+        cache.target.write(0, slots, c_kv, k_pe)
+        expected, cache.target.kv[:] = cache.target.kv.clone(), expected
+        torch.ops.eaglet.mla_cache_write(cache.target.kv[0], slots, c_kv, k_pe)
+    assert torch.equal(cache.target.kv, expected)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.eaglet.mla_cache_write(cache.target.kv[0], torch.tensor([0, 1, 2, cache.target.kv.shape[1]]), c_kv, k_pe)
 
 
 # ---- routing ---------------------------------------------------------------------------------
@@ -168,6 +207,27 @@ def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k,
         alone = torch.cat([experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(num_tokens)])
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     # bfloat16 products rounded in other places: a few bfloat16 steps of the largest output apart
+    scale = expected.float().abs().max()
+    torch.testing.assert_close(got.float() / scale, expected.float() / scale, rtol=0, atol=2e-2)
+    assert torch.equal(got, alone)
+
+
+@amx
+@pytest.mark.parametrize(("num_tokens", "hidden", "inter"), [(1, 512, 256), (23, 96, 40)])
+def test_swiglu_matches_pytorch_and_is_row_independent(num_tokens, hidden, inter):
+    g = torch.Generator().manual_seed(num_tokens)
+    mlp = SwiGLU(hidden, inter)
+    for linear_layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        linear_layer.weight.data = (torch.randn(linear_layer.weight.shape, generator=g) / linear_layer.weight.shape[1] ** 0.5).bfloat16()
+    mlp.process_weights_after_loading()
+    pack_for_inference(mlp)
+    x = torch.randn(num_tokens, hidden, generator=g).bfloat16()
+    with torch.inference_mode():
+        expected = mlp(x)
+        kernels.use_cpu_kernels(mlp)
+        assert mlp.amx_weights is not None
+        got = mlp(x)
+        alone = torch.cat([mlp(x[i : i + 1]) for i in range(num_tokens)])
     scale = expected.float().abs().max()
     torch.testing.assert_close(got.float() / scale, expected.float() / scale, rtol=0, atol=2e-2)
     assert torch.equal(got, alone)

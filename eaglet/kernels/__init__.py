@@ -47,7 +47,8 @@ def _load() -> str | None:
             name="eaglet_cpu_ops",
             sources=[str(SOURCE)],
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool (same libgomp soname, one runtime).
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # -ffp-contract=off: a*b+c stays two roundings, as in the PyTorch ops the kernels mirror.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
@@ -70,20 +71,22 @@ def unavailable_reason() -> str | None:
 
 
 def use_cpu_kernels(model: torch.nn.Module) -> int:
-    """Switches the model to the kernels (they need ``available()``): RMSNorms and routers; on CPUs
-    with AMX, every bfloat16 matrix that ``linear`` multiplies (``packable_weights``) gets its tile
-    layout copy and the routed experts run in one call. Attention is the backend's
-    (FusedCPUMLABackend). Returns how many modules and matrices were switched."""
+    """Switches the model to the kernels (they need ``available()``): RMSNorms, routers and rotary
+    embeddings; on CPUs with AMX, every bfloat16 matrix that ``linear`` multiplies
+    (``packable_weights``) gets its tile layout copy, and the routed experts and each SwiGLU run in
+    one call. Attention is the backend's (FusedCPUMLABackend). Returns how many modules and
+    matrices were switched."""
     from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
-    from eaglet.layers.moe import NoAuxRouter, RoutedExperts
+    from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
     from eaglet.layers.norms import RMSNorm
+    from eaglet.layers.rotary import RotaryEmbedding
 
     if not available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {unavailable_reason()}")
     amx = torch.ops.eaglet_info.amx_supported()
     count = 0
     for module in model.modules():
-        if isinstance(module, (RMSNorm, NoAuxRouter)):
+        if isinstance(module, (RMSNorm, NoAuxRouter, RotaryEmbedding)):
             module.fused = True
             count += 1
         if not amx:
@@ -97,5 +100,8 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
                 [getattr(w, AMX_PACKED)[0] for w in module.w13_per_expert],
                 [getattr(w, AMX_PACKED)[0] for w in module.w2_per_expert],
             )
+            count += 1
+        if isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_weight.dtype == torch.bfloat16:
+            module.amx_weights = (getattr(module.gate_up_weight, AMX_PACKED)[0], getattr(module.down_proj.weight, AMX_PACKED)[0])
             count += 1
     return count

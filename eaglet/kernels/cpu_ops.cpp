@@ -541,6 +541,96 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
   return out;
 }
 
+// RotaryEmbedding.forward on MLA's per-head q_pe [T, H, R] and shared k_pe [T, R] in one call,
+// with the same roundings: x1 * cos, x2 * sin and their difference each rounded to x's dtype.
+// interleave: pairs (x0, x1), (x2, x3), ... rotate, and the output is [rotated evens | rotated odds].
+template <typename T>
+void rope_row(const T* x, int64_t stride, const T* cos, const T* sin, int64_t half, bool interleave, T* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(x[(interleave ? 2 * i : i) * stride]);
+    const float x2 = to_float(x[(interleave ? 2 * i + 1 : i + half) * stride]);
+    const float c = to_float(cos[i]), s = to_float(sin[i]);
+    const float a = to_float(from_float<T>(x1 * c)), b = to_float(from_float<T>(x2 * s));
+    const float d = to_float(from_float<T>(x2 * c)), e = to_float(from_float<T>(x1 * s));
+    out[i] = from_float<T>(a - b);
+    out[half + i] = from_float<T>(d + e);
+  }
+}
+
+template <typename T>
+void rope_impl(const at::Tensor& q_pe, const at::Tensor& k_pe, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
+               at::Tensor& q_out, at::Tensor& k_out) {
+  const int64_t tokens = q_pe.size(0), heads = q_pe.size(1), dim = q_pe.size(2), half = dim / 2;
+  const T* qp = q_pe.data_ptr<T>();
+  const T* kp = k_pe.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  T* ko = k_out.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cp + t * cos.stride(0);
+    const T* s = sp + t * sin.stride(0);
+    for (int64_t h = 0; h < heads; ++h) {
+      rope_row(qp + t * q_pe.stride(0) + h * q_pe.stride(1), q_pe.stride(2), c, s, half, interleave, qo + (t * heads + h) * dim);
+    }
+    rope_row(kp + t * k_pe.stride(0), k_pe.stride(1), c, s, half, interleave, ko + t * dim);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_query_key(const at::Tensor& q_pe, const at::Tensor& k_pe, const at::Tensor& cos,
+                                                  const at::Tensor& sin, bool interleave) {
+  TORCH_CHECK(q_pe.dim() == 3 && k_pe.dim() == 2 && k_pe.size(0) == q_pe.size(0) && k_pe.size(1) == q_pe.size(2) &&
+                  q_pe.size(2) % 2 == 0,
+              "rope_query_key: q_pe [T, H, R], k_pe [T, R], R even");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == q_pe.size(0) && cos.size(1) == q_pe.size(2) / 2 &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rope_query_key: cos / sin [T, R / 2]");
+  TORCH_CHECK(q_pe.scalar_type() == k_pe.scalar_type() && cos.scalar_type() == q_pe.scalar_type() && sin.scalar_type() == q_pe.scalar_type(),
+              "rope_query_key: q_pe, k_pe, cos and sin in one dtype");
+  at::Tensor q_out = at::empty(q_pe.sizes(), q_pe.options()), k_out = at::empty(k_pe.sizes(), k_pe.options());
+  if (q_pe.scalar_type() == at::kBFloat16) {
+    rope_impl<at::BFloat16>(q_pe, k_pe, cos, sin, interleave, q_out, k_out);
+  } else {
+    TORCH_CHECK(q_pe.scalar_type() == at::kFloat, "rope_query_key: bfloat16 or float32");
+    rope_impl<float>(q_pe, k_pe, cos, sin, interleave, q_out, k_out);
+  }
+  return {q_out, k_out};
+}
+
+// kv[slot] = [c_kv | k_pe] for each new token (LatentKVPool.write in one call), cast to the cache dtype.
+template <typename KV, typename X>
+void cache_write_impl(at::Tensor& kv, const int64_t* slots, const at::Tensor& c_kv, const at::Tensor& k_pe) {
+  const int64_t tokens = c_kv.size(0), latent = c_kv.size(1), rope = k_pe.size(1), dim = kv.size(1);
+  KV* dst = kv.data_ptr<KV>();
+  const X* cp = c_kv.data_ptr<X>();
+  const X* kp = k_pe.data_ptr<X>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    KV* row = dst + slots[t] * dim;
+    for (int64_t i = 0; i < latent; ++i) row[i] = from_float<KV>(to_float(cp[t * c_kv.stride(0) + i * c_kv.stride(1)]));
+    for (int64_t i = 0; i < rope; ++i) row[latent + i] = from_float<KV>(to_float(kp[t * k_pe.stride(0) + i * k_pe.stride(1)]));
+  }
+}
+
+void mla_cache_write(at::Tensor kv, const at::Tensor& out_cache_loc, const at::Tensor& c_kv, const at::Tensor& k_pe) {
+  TORCH_CHECK(kv.dim() == 2 && kv.is_contiguous(), "mla_cache_write: contiguous cache [slots, L + R]");
+  TORCH_CHECK(c_kv.dim() == 2 && k_pe.dim() == 2 && c_kv.size(0) == k_pe.size(0) && c_kv.size(1) + k_pe.size(1) == kv.size(1),
+              "mla_cache_write: c_kv [T, L] and k_pe [T, R] with L + R the cache row");
+  TORCH_CHECK(c_kv.scalar_type() == k_pe.scalar_type(), "mla_cache_write: c_kv and k_pe dtypes differ");
+  TORCH_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.numel() == c_kv.size(0), "mla_cache_write: int64 slot per token");
+  const at::Tensor loc = out_cache_loc.contiguous();
+  const int64_t* slots = loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < loc.numel(); ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < kv.size(0), "mla_cache_write: cache slot ", slots[t], " out of range");
+  }
+  const bool kv_bf16 = kv.scalar_type() == at::kBFloat16, x_bf16 = c_kv.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((kv_bf16 || kv.scalar_type() == at::kFloat) && (x_bf16 || c_kv.scalar_type() == at::kFloat),
+              "mla_cache_write: bfloat16 or float32");
+  if (kv_bf16 && x_bf16) cache_write_impl<at::BFloat16, at::BFloat16>(kv, slots, c_kv, k_pe);
+  else if (kv_bf16) cache_write_impl<at::BFloat16, float>(kv, slots, c_kv, k_pe);
+  else if (x_bf16) cache_write_impl<float, at::BFloat16>(kv, slots, c_kv, k_pe);
+  else cache_write_impl<float, float>(kv, slots, c_kv, k_pe);
+}
+
 constexpr int64_t kTileRows = 16, kTileK = 32, kTileN = 16, kGroupN = 4 * kTileN;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -662,12 +752,14 @@ void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* wh
               what, ": a [", n, ", ", k, "] weight does not match its packed copy");
 }
 
-// rows zero-padded to whole tiles: [ceil(rows / 16) * 16, k_blocks * 32]
-at::Tensor padded_tiles(const at::Tensor& x, int64_t k_blocks) {
-  const int64_t rows = x.size(0);
-  at::Tensor x_pad = at::zeros({(rows + kTileRows - 1) / kTileRows * kTileRows, k_blocks * kTileK}, x.options());
-  x_pad.narrow(0, 0, rows).narrow(1, 0, x.size(1)).copy_(x);
-  return x_pad;
+// x's rows zero-padded to whole tiles ([ceil(rows / 16) * 16, k_blocks * 32]) in a buffer of this thread.
+const at::BFloat16* padded_tiles(const at::Tensor& x, int64_t k_blocks, std::vector<at::BFloat16>& buffer) {
+  const int64_t rows = x.size(0), k = x.size(1), kp = k_blocks * kTileK;
+  buffer.assign((rows + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t row_stride = x.stride(0);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(buffer.data() + r * kp, xp + r * row_stride, k * sizeof(at::BFloat16));
+  return buffer.data();
 }
 
 // Parallel over threads once the weight is big enough for the pool's wake-up (a few us) to pay.
@@ -683,9 +775,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   const int64_t m = x.size(0), k_blocks = packed.size(1), n_groups = packed.size(0) / 4;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const at::Tensor x_pad = padded_tiles(x, k_blocks);
+  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
+  thread_local std::vector<at::BFloat16> x_pad;
+  const at::BFloat16* xp = padded_tiles(xr, k_blocks, x_pad);
   const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
-  const at::BFloat16* xp = x_pad.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -702,6 +795,68 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
     }
     release_tiles();
   });
+  return out;
+}
+
+// act = bf16(bf16(silu(bf16(gate))) * bf16(up)) for one row of a float32 [gate | up] GEMM output:
+// the roundings of linear -> F.silu -> mul on bfloat16 tensors.
+void swiglu_act(const float* gate_up, int64_t inter, at::BFloat16* act) {
+  thread_local std::vector<at::BFloat16> gate_bf16, up_bf16;
+  thread_local std::vector<float> silu;
+  gate_bf16.resize(inter);
+  up_bf16.resize(inter);
+  silu.resize(inter);
+  store_bf16(gate_bf16.data(), gate_up, nullptr, inter);
+  store_bf16(up_bf16.data(), gate_up + inter, nullptr, inter);
+  load_row(silu.data(), gate_bf16.data(), inter);
+  for (int64_t j = 0; j < inter; ++j) silu[j] = -silu[j];
+  exp_shifted_row(silu.data(), 0.0f, inter);  // exp(-gate)
+  for (int64_t j = 0; j < inter; ++j) silu[j] = static_cast<float>(gate_bf16[j]) / (1.0f + silu[j]);
+  store_bf16(gate_bf16.data(), silu.data(), nullptr, inter);
+  load_row(silu.data(), gate_bf16.data(), inter);
+  for (int64_t j = 0; j < inter; ++j) silu[j] *= static_cast<float>(up_bf16[j]);
+  store_bf16(act, silu.data(), nullptr, inter);
+}
+
+// SwiGLU (the dense MLP and the shared experts) in one call: x @ [gate; up]^T on AMX tiles, the
+// activation as swiglu_act, then @ down^T, bfloat16 out. Rows are computed alone.
+at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t inter) {
+  TORCH_CHECK(amx_supported(), "amx_swiglu: this CPU or build has no AMX");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_swiglu: bfloat16 x [T, D]");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  check_packed(w13, hidden, 2 * inter, "amx_swiglu gate_up");
+  check_packed(w2, inter, hidden, "amx_swiglu down");
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  if (tokens == 0) return out;
+  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
+  thread_local std::vector<at::BFloat16> x_pad;
+  const at::BFloat16* xp = padded_tiles(xr, w13.size(1), x_pad);
+  const int64_t kp_hidden = w13.size(1) * kTileK, kb_inter = w2.size(1), kp_inter = kb_inter * kTileK;
+  const int64_t up_groups = w13.size(0) / 4, down_groups = w2.size(0) / 4;
+  const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
+  const int64_t padded = (tokens + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<float> gate_up(tokens * up_width), y(tokens * down_width);
+  std::vector<at::BFloat16> act(padded * kp_inter, at::BFloat16(0.0f));
+  const bool parallel = worth_threads(tokens, 2 * inter, hidden);
+  const at::BFloat16* w13p = w13.data_ptr<at::BFloat16>();
+  const at::BFloat16* w2p = w2.data_ptr<at::BFloat16>();
+  at::parallel_for(0, up_groups, parallel ? 1 : up_groups, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t g = begin; g < end; ++g) {
+      amx_group(xp, tokens, kp_hidden, w13p + g * 4 * w13.size(1) * kTileK * kTileN, w13.size(1), gate_up.data() + g * kGroupN, up_width);
+    }
+    release_tiles();
+  });
+  for (int64_t t = 0; t < tokens; ++t) swiglu_act(gate_up.data() + t * up_width, inter, act.data() + t * kp_inter);
+  at::parallel_for(0, down_groups, parallel ? 1 : down_groups, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t g = begin; g < end; ++g) {
+      amx_group(act.data(), tokens, kp_inter, w2p + g * 4 * kb_inter * kTileK * kTileN, kb_inter, y.data() + g * kGroupN, down_width);
+    }
+    release_tiles();
+  });
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < tokens; ++t) store_bf16(op + t * hidden, y.data() + t * down_width, nullptr, hidden);
   return out;
 }
 
@@ -767,22 +922,9 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>
     }
     release_tiles();
   });
-  std::vector<at::BFloat16> gate_bf16(inter), up_bf16(inter);
-  std::vector<float> silu(inter);
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t r = 0; r < count[e]; ++r) {
-      const float* gu = gate_up.data() + (tile_start[e] + r) * up_width;
-      // gate and up as the bfloat16 GEMM output, silu(gate) rounded as F.silu on bfloat16 rounds
-      store_bf16(gate_bf16.data(), gu, nullptr, inter);
-      store_bf16(up_bf16.data(), gu + inter, nullptr, inter);
-      load_row(silu.data(), gate_bf16.data(), inter);
-      for (int64_t j = 0; j < inter; ++j) silu[j] = -silu[j];
-      exp_shifted_row(silu.data(), 0.0f, inter);  // exp(-gate)
-      for (int64_t j = 0; j < inter; ++j) silu[j] = static_cast<float>(gate_bf16[j]) / (1.0f + silu[j]);
-      store_bf16(gate_bf16.data(), silu.data(), nullptr, inter);
-      load_row(silu.data(), gate_bf16.data(), inter);
-      for (int64_t j = 0; j < inter; ++j) silu[j] *= static_cast<float>(up_bf16[j]);
-      store_bf16(act.data() + (tile_start[e] + r) * kp_inter, silu.data(), nullptr, inter);
+      swiglu_act(gate_up.data() + (tile_start[e] + r) * up_width, inter, act.data() + (tile_start[e] + r) * kp_inter);
     }
   }
   at::parallel_for(0, experts * down_groups, parallel ? 1 : experts * down_groups, [&](int64_t begin, int64_t end) {
@@ -830,7 +972,10 @@ TORCH_LIBRARY_FRAGMENT(eaglet_info, m) {
 TORCH_LIBRARY(eaglet, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
+  m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");
+  m.def("mla_cache_write(Tensor(a!) kv, Tensor out_cache_loc, Tensor c_kv, Tensor k_pe) -> ()");
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_swiglu(Tensor x, Tensor w13, Tensor w2, int inter) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("moe_routed_experts(Tensor x, Tensor[] w13, Tensor[] w2, Tensor weights, Tensor ids, int inter) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale) -> Tensor");
@@ -841,6 +986,9 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("noaux_route", noaux_route);
   m.impl("mla_absorbed_attention", mla_absorbed_attention);
   m.impl("moe_routed_experts", moe_routed_experts);
+  m.impl("rope_query_key", rope_query_key);
+  m.impl("mla_cache_write", mla_cache_write);
   m.impl("amx_pack_weight", amx_pack_weight);
+  m.impl("amx_swiglu", amx_swiglu);
   m.impl("amx_linear", amx_linear);
 }

@@ -159,7 +159,23 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
     (``torch.ops.eaglet.mla_absorbed_attention``, eaglet/kernels), which reads each request's
     latents straight from the paged cache and computes every token on its own: a token's output
     does not depend on the batch around it, with no padding. EXTEND batches keep the decompressed form.
+    The new tokens' latents go into the pool's buffer in one kernel call too (``mla_cache_write``,
+    what ``LatentKVPool.write`` does).
     """
+
+    def forward(
+        self,
+        layer: MLAAttention,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        torch.ops.eaglet.mla_cache_write(self.pool.kv[layer.layer_id], batch.out_cache_loc, c_kv, k_pe)
+        if batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend:
+            return self._absorbed(layer, q_nope, q_pe, batch)
+        return self._decompressed(layer, q_nope, q_pe, batch)
 
     def _absorbed(
         self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch

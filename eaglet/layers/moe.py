@@ -15,6 +15,8 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # [2 * intermediate, hidden], set after loading
+        # (gate_up, down) in AMX tile layout for torch.ops.eaglet.amx_swiglu (eaglet.kernels.use_cpu_kernels)
+        self.amx_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         """Stacks gate and up into one matrix (one GEMM per call); the named parameters become views of it."""
@@ -29,6 +31,8 @@ class SwiGLU(nn.Module):
         return [*gate_up, self.down_proj.weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_weights is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and not torch.is_grad_enabled():
+            return torch.ops.eaglet.amx_swiglu(x, *self.amx_weights, self.down_proj.weight.shape[1])
         if self.gate_up_weight is None or torch.is_grad_enabled():
             # Not prepared for inference, or being trained (draft training): the fused copy carries no
             # gradient, so read the parameters themselves.

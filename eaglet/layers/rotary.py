@@ -66,6 +66,7 @@ class RotaryEmbedding(nn.Module):
             self.attention_factor = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
+        self.fused = False  # torch.ops.eaglet.rope_query_key (eaglet.kernels.use_cpu_kernels)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -82,6 +83,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA's per-head q_pe [T, H, dim] and shared k_pe [T, dim], rotated in one call (k_pe as an
         extra head: the same elementwise arithmetic, half the ops)."""
+        if self.fused and q_pe.dtype == cos.dtype == sin.dtype and not torch.is_grad_enabled():
+            return torch.ops.eaglet.rope_query_key(q_pe, k_pe, cos, sin, self.interleave)
         heads = q_pe.shape[1]
         rotated = self(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
         return rotated[:, :heads], rotated[:, heads]
