@@ -13,7 +13,7 @@ import torch
 
 from eaglet.errors import InvalidRequestError
 from eaglet.layers.logits_processor import LogitsRow, logprobs_of, process_logits
-from eaglet.layers.sampler import VOCAB_BLOCK, greedy_tokens, sample, shaped_probs, top_k_logprobs
+from eaglet.layers.sampler import BLOCKED_MIN_VOCAB, VOCAB_BLOCK, greedy_tokens, sample, shaped_probs, top_k_logprobs
 from eaglet.sampling_params import SamplingParams
 
 V = 32
@@ -428,7 +428,7 @@ def test_validate_for_vocab():
         SamplingParams(stop_token_ids=[3, 250]).validate_for_vocab(100)
 
 
-@pytest.mark.parametrize("vocab", [1000, 8 * VOCAB_BLOCK, 32000])  # row-wide, and block by block
+@pytest.mark.parametrize("vocab", [1000, BLOCKED_MIN_VOCAB, 32000])  # row-wide, and block by block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype):
     g = torch.Generator().manual_seed(vocab)

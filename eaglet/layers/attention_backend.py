@@ -16,6 +16,7 @@ from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
 from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
 
 MIN_SOFTMAX_KEYS = 16
+ABSORBED_EXTEND_MAX_NEW_TOKENS = 16  # FusedCPUMLABackend: extends up to this many new tokens per request
 
 if TYPE_CHECKING:
     from eaglet.layers.mla import MLAAttention
@@ -173,7 +174,10 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         torch.ops.eaglet.mla_cache_write(self.pool.kv[layer.layer_id], batch.out_cache_loc, c_kv, k_pe)
-        if batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend:
+        absorbed = batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend
+        # An extend of a few tokens per request (the draft's extend after each verify, a short
+        # prefill chunk) attends absorbed too: decompressing every cached latent costs more.
+        if absorbed or max(batch.extend_seq_lens_cpu) <= ABSORBED_EXTEND_MAX_NEW_TOKENS:
             return self._absorbed(layer, q_nope, q_pe, batch)
         return self._decompressed(layer, q_nope, q_pe, batch)
 

@@ -40,7 +40,7 @@ from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
-from eaglet.spec.verify import VerifyResult, verify_greedy, verify_sampling
+from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_chain, verify_sampling
 
 
 @dataclass
@@ -221,6 +221,8 @@ class EagleWorker:
         num_draft_tokens: int,
     ) -> DraftTree:
         k = self.spec.eagle_topk
+        if k == 1:
+            return self._draft_chain(requests, rows, prefix, roots, min(steps, num_draft_tokens - 1))
         batch_size = len(requests)
         recorder = CandidateRecorder()
         frontier_tokens = torch.stack([r.draft_state.topk_tokens for r in requests])  # [B, k]
@@ -259,12 +261,31 @@ class EagleWorker:
             ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
         return recorder.build_tree(roots, num_draft_tokens)
 
+    def _draft_chain(
+        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, roots: torch.Tensor, length: int
+    ) -> DraftTree:
+        """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
+        path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
+        batch_size = len(requests)
+        tokens = [roots, torch.stack([r.draft_state.topk_tokens for r in requests])[:, 0]][: length + 1]
+        hidden = torch.stack([r.draft_state.hidden for r in requests])
+        for step in range(1, length):
+            num_keys = int(prefix.max()) + step
+            step_batch = self._draft_step_batch(rows, prefix, tokens[-1][:, None], None, step, num_keys)
+            with self._phase("draft"):
+                out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
+            tokens.append(self.draft.to_target_ids(top_k_logprobs(out.logits, 1)[1][:, 0]))
+            hidden = out.hidden_out
+        n = len(tokens)
+        index = torch.arange(n).expand(batch_size, n)
+        return DraftTree(tokens=torch.stack(tokens, dim=1), parents=index - 1, depths=index)
+
     def _draft_step_batch(
         self,
         rows: torch.Tensor,
         prefix: torch.Tensor,
         frontier_tokens: torch.Tensor,
-        ancestry: torch.Tensor,
+        ancestry: torch.Tensor | None,
         step: int,
         num_keys: int,
     ) -> ForwardBatch:
@@ -316,7 +337,10 @@ class EagleWorker:
         logits = self._process_tree_logits(requests, tree, raw_logits)
         params = [r.sampling_params for r in requests]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        result = verify_greedy(tree.tokens, tree.parents, logits)
+        if self.spec.eagle_topk == 1:
+            result = verify_greedy_chain(tree.tokens, logits)
+        else:
+            result = verify_greedy(tree.tokens, tree.parents, logits)
         if sampled_rows:
             idx = torch.tensor(sampled_rows)
             probs = shaped_probs(

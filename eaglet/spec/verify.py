@@ -38,7 +38,7 @@ import torch
 
 from eaglet.layers.sampler import greedy_tokens
 
-__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_sampling"]
+__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_chain", "verify_sampling"]
 
 
 @dataclass
@@ -128,6 +128,13 @@ def _path_to(node: torch.Tensor, num: torch.Tensor, parents: torch.Tensor, max_d
         out.scatter_(1, torch.where(live, pos, max_depth)[:, None], cur[:, None])
         cur = parents.gather(1, cur[:, None])[:, 0].clamp(min=0)
     return out[:, :max_depth]
+
+
+def verify_greedy_chain(tokens: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
+    """``verify_greedy`` for a chain (node i's parent is i - 1), which the caller knows it drafted."""
+    if tokens.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != tokens.shape:
+        raise ValueError(f"logits must be [B, N, V] matching tokens {tuple(tokens.shape)}, got {tuple(logits.shape)}")
+    return _verify_greedy_chain(tokens.long(), greedy_tokens(logits))
 
 
 def _verify_greedy_chain(tokens: torch.Tensor, target: torch.Tensor) -> VerifyResult:
