@@ -96,10 +96,13 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
                 pack_weight_for_amx(weight)
                 count += 1
         if isinstance(module, RoutedExperts) and module.w13_per_expert and module.w13.dtype == torch.bfloat16:
-            module.amx_weights = (
-                [getattr(w, AMX_PACKED)[0] for w in module.w13_per_expert],
-                [getattr(w, AMX_PACKED)[0] for w in module.w2_per_expert],
+            # One stacked copy per matrix kind for the one-call kernel; the per-expert copies go
+            # (only the PyTorch path, under autograd or in float32, multiplies single experts).
+            module.amx_weights = tuple(
+                torch.stack([getattr(w, AMX_PACKED)[0] for w in weights]) for weights in (module.w13_per_expert, module.w2_per_expert)
             )
+            for weight in module.w13_per_expert + module.w2_per_expert:
+                delattr(weight, AMX_PACKED)
             count += 1
         if isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_weight.dtype == torch.bfloat16:
             module.amx_weights = (getattr(module.gate_up_weight, AMX_PACKED)[0], getattr(module.down_proj.weight, AMX_PACKED)[0])

@@ -864,16 +864,20 @@ at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tens
 // gate/up and down products on AMX tiles (amx_group), silu(gate) * up rounded to bfloat16 between
 // them as the PyTorch path rounds, and each token's expert outputs weighted and summed in float32
 // in ascending expert id. Every (token, expert) row is computed alone: the same bits at any batch.
-at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2,
+at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, const at::Tensor& w2_all,
                               const at::Tensor& weights, const at::Tensor& ids, int64_t inter) {
   TORCH_CHECK(amx_supported(), "moe_routed_experts: this CPU or build has no AMX");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_routed_experts: bfloat16 x [T, D]");
-  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "moe_routed_experts: one packed w13 and w2 per expert");
-  const int64_t tokens = x.size(0), hidden = x.size(1), experts = static_cast<int64_t>(w13.size());
-  for (int64_t e = 0; e < experts; ++e) {
-    check_packed(w13[e], hidden, 2 * inter, "moe_routed_experts w13");
-    check_packed(w2[e], inter, hidden, "moe_routed_experts w2");
-  }
+  TORCH_CHECK(w13_all.dim() == 6 && w2_all.dim() == 6 && w13_all.size(0) == w2_all.size(0) && w13_all.is_contiguous() &&
+                  w2_all.is_contiguous(),
+              "moe_routed_experts: every expert's packed w13 and w2 stacked, [E, ...] each");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = w13_all.size(0);
+  const at::Tensor w13_first = w13_all[0], w2_first = w2_all[0];
+  check_packed(w13_first, hidden, 2 * inter, "moe_routed_experts w13");
+  check_packed(w2_first, inter, hidden, "moe_routed_experts w2");
+  const at::BFloat16* w13_base = w13_all.data_ptr<at::BFloat16>();
+  const at::BFloat16* w2_base = w2_all.data_ptr<at::BFloat16>();
+  const int64_t w13_stride = w13_all.stride(0), w2_stride = w2_all.stride(0);
   TORCH_CHECK(weights.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong && weights.sizes() == ids.sizes() &&
                   ids.dim() == 2 && ids.size(0) == tokens,
               "moe_routed_experts: float32 weights and int64 ids, both [T, k]");
@@ -898,7 +902,7 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>
     std::vector<int64_t> fill(first.begin(), first.end() - 1);
     for (int64_t a = 0; a < assigned; ++a) order[fill[idp[a]]++] = a;
   }
-  const int64_t kb_hidden = w13[0].size(1), kb_inter = w2[0].size(1);
+  const int64_t kb_hidden = w13_first.size(1), kb_inter = w2_first.size(1);
   const int64_t kp_hidden = kb_hidden * kTileK, kp_inter = kb_inter * kTileK, padded_rows = tile_start[experts];
   std::vector<at::BFloat16> x_pad(padded_rows * kp_hidden, at::BFloat16(0.0f)), act(padded_rows * kp_inter, at::BFloat16(0.0f));
   for (int64_t e = 0; e < experts; ++e) {
@@ -907,7 +911,7 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>
                   hidden * sizeof(at::BFloat16));
     }
   }
-  const int64_t up_groups = w13[0].size(0) / 4, down_groups = w2[0].size(0) / 4;
+  const int64_t up_groups = w13_first.size(0) / 4, down_groups = w2_first.size(0) / 4;
   const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
   std::vector<float> gate_up(padded_rows * up_width), expert_out(padded_rows * down_width);
   const bool parallel = worth_threads(assigned, 2 * inter, hidden);
@@ -917,7 +921,7 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>
       const int64_t e = item / up_groups, g = item % up_groups;
       if (count[e] == 0) continue;
       const int64_t group_elems = 4 * kb_hidden * kTileK * kTileN;
-      amx_group(x_pad.data() + tile_start[e] * kp_hidden, count[e], kp_hidden, w13[e].data_ptr<at::BFloat16>() + g * group_elems,
+      amx_group(x_pad.data() + tile_start[e] * kp_hidden, count[e], kp_hidden, w13_base + e * w13_stride + g * group_elems,
                 kb_hidden, gate_up.data() + tile_start[e] * up_width + g * kGroupN, up_width);
     }
     release_tiles();
@@ -933,7 +937,7 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const std::vector<at::Tensor>
       const int64_t e = item / down_groups, g = item % down_groups;
       if (count[e] == 0) continue;
       const int64_t group_elems = 4 * kb_inter * kTileK * kTileN;
-      amx_group(act.data() + tile_start[e] * kp_inter, count[e], kp_inter, w2[e].data_ptr<at::BFloat16>() + g * group_elems,
+      amx_group(act.data() + tile_start[e] * kp_inter, count[e], kp_inter, w2_base + e * w2_stride + g * group_elems,
                 kb_inter, expert_out.data() + tile_start[e] * down_width + g * kGroupN, down_width);
     }
     release_tiles();
@@ -977,7 +981,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor w13, Tensor w2, int inter) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
-  m.def("moe_routed_experts(Tensor x, Tensor[] w13, Tensor[] w2, Tensor weights, Tensor ids, int inter) -> Tensor");
+  m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, int inter) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale) -> Tensor");
 }
 

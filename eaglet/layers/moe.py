@@ -110,9 +110,9 @@ class RoutedExperts(nn.Module):
         # [E, hidden, 2 * inter] and [E, inter, hidden] copies for the dense path, when it applies.
         self.w13_t: torch.Tensor | None = None
         self.w2_t: torch.Tensor | None = None
-        # Each expert's w13 / w2 in AMX tile layout, for torch.ops.eaglet.moe_routed_experts
-        # (eaglet.kernels.use_cpu_kernels); None: the PyTorch path.
-        self.amx_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Every expert's w13 / w2 in AMX tile layout, stacked [E, ...], for
+        # torch.ops.eaglet.moe_routed_experts (eaglet.kernels.use_cpu_kernels); None: the PyTorch path.
+        self.amx_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         self.w13_per_expert = list(self.w13.detach().unbind(0))
