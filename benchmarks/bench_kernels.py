@@ -93,6 +93,7 @@ class _Layer:
         self.w_uk = torch.randn(heads, 64, 512) / 8
         self.w_uv_t = torch.randn(heads, 512, 64) / 20
         self.scaling = 128**-0.5
+        self.amx_projections: tuple[torch.Tensor, ...] = ()
 
 
 def bench_attention(reps: int) -> None:

@@ -245,15 +245,32 @@ def test_routed_experts_reject_an_expert_id_out_of_range():
 
 
 class _Layer:
-    """The attributes of MLAAttention that a backend reads, at DeepSeek-V3's per-head sizes."""
+    """The attributes of MLAAttention that a backend reads, at DeepSeek-V3's per-head sizes.
+    ``amx``: with the AMX copies of W_UK / W_UV that use_cpu_kernels makes for bfloat16 models
+    (the weights are then bfloat16 values, as those taken from a bfloat16 kv_b_proj are)."""
 
-    def __init__(self, heads: int = 8, seed: int = 0):
+    def __init__(self, heads: int = 8, seed: int = 0, amx: bool = False):
         g = torch.Generator().manual_seed(seed)
         self.layer_id, self.num_heads, self.kv_lora_rank = 0, heads, 512
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = 64, 64, 64
         self.w_uk = torch.randn(heads, 64, 512, generator=g) / 8
         self.w_uv_t = torch.randn(heads, 512, 64, generator=g) / 20
         self.scaling = 128**-0.5
+        self.amx_projections: tuple[torch.Tensor, ...] = ()
+        if amx:
+            self.w_uk, self.w_uv_t = self.w_uk.bfloat16().float(), self.w_uv_t.bfloat16().float()
+            pack = torch.ops.eaglet.amx_pack_weight
+            self.amx_projections = (torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uk]),
+                                    torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uv_t]))
+
+
+def _has_amx() -> bool:
+    return kernels.available() and torch.ops.eaglet_info.amx_supported()
+
+
+# float32 projections, and (bfloat16 queries on AMX machines) the AMX ones
+PROJECTIONS = [pytest.param(False, id="fp32-projections"),
+               pytest.param(True, id="amx-projections", marks=pytest.mark.skipif(not _has_amx(), reason="CPU without AMX"))]
 
 
 def _cache(dtype: torch.dtype, seed: int = 0) -> KVCacheManager:
@@ -289,9 +306,12 @@ SHAPES = {
 
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_attention_matches_pytorch(name, dtype):
+@pytest.mark.parametrize("amx", PROJECTIONS)
+def test_mla_attention_matches_pytorch(name, dtype, amx):
+    if amx and dtype != torch.bfloat16:
+        pytest.skip("the AMX projections take bfloat16 queries")
     prefix_lens, new_lens = SHAPES[name]
-    cache, layer = _cache(dtype), _Layer()
+    cache, layer = _cache(dtype), _Layer(amx=amx)
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):
         cache.grow(r, p)
@@ -302,6 +322,8 @@ def test_mla_attention_matches_pytorch(name, dtype):
         got = FusedCPUMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
+    if amx:  # o rounded to bfloat16 before W_UV: a bfloat16 step more
+        tolerance = {"rtol": 2e-2, "atol": 1e-2}
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 
@@ -332,10 +354,13 @@ def test_mla_attention_with_a_tree_mask_matches_pytorch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype):
+@pytest.mark.parametrize("amx", PROJECTIONS)
+def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx):
     """Every token of a ragged verify batch equals, bit for bit, the same token attended alone as a
     decode step over the keys it sees: what lossless greedy speculation needs, with no padding."""
-    cache, layer = _cache(dtype, seed=5), _Layer()
+    if amx and dtype != torch.bfloat16:
+        pytest.skip("the AMX projections take bfloat16 queries")
+    cache, layer = _cache(dtype, seed=5), _Layer(amx=amx)
     prefix_lens, new_lens = [9, 40, 23], [3, 5, 1]
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):

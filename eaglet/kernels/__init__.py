@@ -77,6 +77,7 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     one call. Attention is the backend's (FusedCPUMLABackend). Returns how many modules and
     matrices were switched."""
     from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
+    from eaglet.layers.mla import MLAAttention
     from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
     from eaglet.layers.norms import RMSNorm
     from eaglet.layers.rotary import RotaryEmbedding
@@ -103,6 +104,15 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
             )
             for weight in module.w13_per_expert + module.w2_per_expert:
                 delattr(weight, AMX_PACKED)
+            count += 1
+        if (isinstance(module, MLAAttention) and module.w_uk is not None and module.kv_b_proj.weight.dtype == torch.bfloat16
+                and module.kv_lora_rank % 64 == 0 and module.v_head_dim % 64 == 0):
+            # W_UK / W_UV were taken from the bfloat16 kv_b_proj: back in bfloat16 they are exact.
+            pack = torch.ops.eaglet.amx_pack_weight
+            module.amx_projections = (
+                torch.stack([pack(w.t().bfloat16().contiguous()) for w in module.w_uk]),  # [L, P] per head
+                torch.stack([pack(w.t().bfloat16().contiguous()) for w in module.w_uv_t]),  # [V, L] per head
+            )
             count += 1
         if isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_weight.dtype == torch.bfloat16:
             module.amx_weights = (getattr(module.gate_up_weight, AMX_PACKED)[0], getattr(module.down_proj.weight, AMX_PACKED)[0])

@@ -27,6 +27,16 @@
 namespace {
 
 constexpr int kLanes = 16;
+// AMX tile geometry: 16 rows x 32 bfloat16 of k per A tile, 16 output columns per B tile, and
+// the 4 accumulator tiles of one pass cover a group of 64 output columns.
+constexpr int64_t kTileRows = 16, kTileK = 32, kTileN = 16, kGroupN = 4 * kTileN;
+
+bool amx_supported();
+void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* what);
+void configure_tiles();
+void release_tiles();
+void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
+               float* out, int64_t out_stride);
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
@@ -371,7 +381,7 @@ template <typename Q, typename KV>
 void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv, const at::Tensor& w_uk,
               const at::Tensor& w_uv_t, const at::Tensor& slots, const at::Tensor& kv_lens,
               const at::Tensor& token_starts, const c10::optional<at::Tensor>& custom_mask, double scale,
-              at::Tensor& out) {
+              const c10::optional<at::Tensor>& uk_packed, const c10::optional<at::Tensor>& uv_packed, at::Tensor& out) {
   const int64_t tokens = q_nope.size(0), heads = q_nope.size(1), nope = q_nope.size(2);
   const int64_t requests = kv_lens.size(0), rope = q_pe.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
   const int64_t qdim = latent + rope;
@@ -390,6 +400,31 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
 
   std::vector<float> query(tokens * heads * qdim), o_latent(tokens * heads * latent), o_value(tokens * heads * value);
   const bool parallel_heads = tokens * (nope + value) * latent * heads >= kParallelWork;
+  // With AMX copies of W_UK^T / W_UV per head (bfloat16 models), passes 1 and 3 run on tiles; their
+  // bfloat16 weights are the checkpoint's kv_b_proj values exactly, and pass 3 rounds o to bfloat16
+  // first, as the decompressed form's probs @ V does.
+  const bool amx_projections = uk_packed.has_value() && uv_packed.has_value();
+  if (amx_projections) {
+    const int64_t kb = uk_packed->size(2), kp = kb * kTileK, head_stride = uk_packed->stride(0);
+    const at::BFloat16* wp = uk_packed->data_ptr<at::BFloat16>();
+    at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
+      configure_tiles();
+      std::vector<at::BFloat16> x_pad;
+      for (int64_t h = begin; h < end; ++h) {
+        x_pad.assign((tokens + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
+        for (int64_t t = 0; t < tokens; ++t) {
+          const Q* src = qn + (t * heads + h) * nope;
+          for (int64_t p = 0; p < nope; ++p) x_pad[t * kp + p] = at::BFloat16(to_float(src[p]));
+        }
+        for (int64_t g = 0; g < latent / kGroupN; ++g) {
+          amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
+                    query.data() + h * qdim + g * kGroupN, heads * qdim);
+        }
+        for (int64_t t = 0; t < tokens; ++t) load_row(query.data() + (t * heads + h) * qdim + latent, qp + (t * heads + h) * rope, rope);
+      }
+      release_tiles();
+    });
+  } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
     std::vector<float*> out_rows(tokens);
     std::vector<const Q*> coef(tokens);
@@ -404,6 +439,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       combine_all_rows(out_rows.data(), coef.data(), terms.data(), tokens, nope, latent);
     }
   });
+  }
 
   // Pass 2 work items: requests, each split into head groups when there are fewer requests than threads.
   const int64_t groups = std::min<int64_t>(heads, std::max<int64_t>(1, (at::get_num_threads() + requests - 1) / requests));
@@ -473,6 +509,23 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     }
   });
 
+  if (amx_projections) {
+    const int64_t kb = uv_packed->size(2), kp = kb * kTileK, head_stride = uv_packed->stride(0);
+    const at::BFloat16* wp = uv_packed->data_ptr<at::BFloat16>();
+    at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
+      configure_tiles();
+      std::vector<at::BFloat16> x_pad;
+      for (int64_t h = begin; h < end; ++h) {
+        x_pad.assign((tokens + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
+        for (int64_t t = 0; t < tokens; ++t) store_bf16(x_pad.data() + t * kp, o_latent.data() + (t * heads + h) * latent, nullptr, latent);
+        for (int64_t g = 0; g < value / kGroupN; ++g) {
+          amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
+                    o_value.data() + h * value + g * kGroupN, heads * value);
+        }
+      }
+      release_tiles();
+    });
+  } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
     std::vector<float*> out_rows(tokens);
     std::vector<const float*> coef(tokens), terms(latent);
@@ -485,13 +538,15 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       combine_all_rows(out_rows.data(), coef.data(), terms.data(), tokens, latent, value);
     }
   });
+  }
   for (int64_t i = 0; i < tokens * heads * value; ++i) op[i] = from_float<Q>(o_value[i]);
 }
 
 at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv,
                                   const at::Tensor& w_uk, const at::Tensor& w_uv_t, const at::Tensor& slots,
                                   const at::Tensor& kv_lens, const at::Tensor& token_starts,
-                                  const c10::optional<at::Tensor>& custom_mask, double scale) {
+                                  const c10::optional<at::Tensor>& custom_mask, double scale,
+                                  const c10::optional<at::Tensor>& w_uk_packed, const c10::optional<at::Tensor>& w_uv_packed) {
   TORCH_CHECK(q_nope.dim() == 3 && q_pe.dim() == 3 && q_nope.size(0) == q_pe.size(0) && q_nope.size(1) == q_pe.size(1),
               "mla_absorbed_attention: q_nope [T, H, P] and q_pe [T, H, R]");
   TORCH_CHECK(q_nope.scalar_type() == q_pe.scalar_type(), "mla_absorbed_attention: q_nope and q_pe dtypes differ");
@@ -529,14 +584,28 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
   const bool q_bf16 = qn.scalar_type() == at::kBFloat16, kv_bf16 = kv.scalar_type() == at::kBFloat16;
   TORCH_CHECK(q_bf16 || qn.scalar_type() == at::kFloat, "mla_absorbed_attention: bfloat16 or float32 queries");
   TORCH_CHECK(kv_bf16 || kv.scalar_type() == at::kFloat, "mla_absorbed_attention: bfloat16 or float32 cache");
+  c10::optional<at::Tensor> uk, uv;
+  if (w_uk_packed.has_value() != w_uv_packed.has_value()) TORCH_CHECK(false, "mla_absorbed_attention: both AMX copies or neither");
+  if (w_uk_packed) {
+    const int64_t heads = q_nope.size(1), nope = q_nope.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
+    TORCH_CHECK(amx_supported() && q_bf16, "mla_absorbed_attention: AMX projections need AMX and bfloat16 queries");
+    TORCH_CHECK(latent % kGroupN == 0 && value % kGroupN == 0, "mla_absorbed_attention: AMX projections need L and V multiples of 64");
+    TORCH_CHECK(w_uk_packed->dim() == 6 && w_uk_packed->size(0) == heads && w_uv_packed->dim() == 6 && w_uv_packed->size(0) == heads &&
+                    w_uk_packed->is_contiguous() && w_uv_packed->is_contiguous(),
+                "mla_absorbed_attention: AMX copies are [H, ...] stacks of amx_pack_weight");
+    check_packed((*w_uk_packed)[0], nope, latent, "mla_absorbed_attention W_UK^T");
+    check_packed((*w_uv_packed)[0], latent, value, "mla_absorbed_attention W_UV");
+    uk = w_uk_packed;
+    uv = w_uv_packed;
+  }
   if (q_bf16 && kv_bf16) {
-    mla_impl<at::BFloat16, at::BFloat16>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, out);
+    mla_impl<at::BFloat16, at::BFloat16>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, uk, uv, out);
   } else if (q_bf16) {
-    mla_impl<at::BFloat16, float>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, out);
+    mla_impl<at::BFloat16, float>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, uk, uv, out);
   } else if (kv_bf16) {
-    mla_impl<float, at::BFloat16>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, out);
+    mla_impl<float, at::BFloat16>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, uk, uv, out);
   } else {
-    mla_impl<float, float>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, out);
+    mla_impl<float, float>(qn, qp, kv, wuk, wuv, sl, lens, starts, mask, scale, uk, uv, out);
   }
   return out;
 }
@@ -630,8 +699,6 @@ void mla_cache_write(at::Tensor kv, const at::Tensor& out_cache_loc, const at::T
   else if (x_bf16) cache_write_impl<float, at::BFloat16>(kv, slots, c_kv, k_pe);
   else cache_write_impl<float, float>(kv, slots, c_kv, k_pe);
 }
-
-constexpr int64_t kTileRows = 16, kTileK = 32, kTileN = 16, kGroupN = 4 * kTileN;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr bool kAmx = true;
@@ -982,7 +1049,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("amx_swiglu(Tensor x, Tensor w13, Tensor w2, int inter) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, int inter) -> Tensor");
-  m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale) -> Tensor");
+  m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale, Tensor? w_uk_packed=None, Tensor? w_uv_packed=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {

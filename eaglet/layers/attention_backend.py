@@ -16,7 +16,7 @@ from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
 from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
 
 MIN_SOFTMAX_KEYS = 16
-ABSORBED_EXTEND_MAX_NEW_TOKENS = 16  # FusedCPUMLABackend: extends up to this many new tokens per request
+ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN = 4  # FusedCPUMLABackend: extends with at least this many keys per new token
 
 if TYPE_CHECKING:
     from eaglet.layers.mla import MLAAttention
@@ -175,9 +175,10 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
     ) -> torch.Tensor:
         torch.ops.eaglet.mla_cache_write(self.pool.kv[layer.layer_id], batch.out_cache_loc, c_kv, k_pe)
         absorbed = batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend
-        # An extend of a few tokens per request (the draft's extend after each verify, a short
-        # prefill chunk) attends absorbed too: decompressing every cached latent costs more.
-        if absorbed or max(batch.extend_seq_lens_cpu) <= ABSORBED_EXTEND_MAX_NEW_TOKENS:
+        # An extend of a few tokens against many cached ones (the draft's extend after each verify)
+        # attends absorbed too: decompressing every cached latent costs more there.
+        few_new = all(n * ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN <= s for n, s in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu))
+        if absorbed or few_new:
             return self._absorbed(layer, q_nope, q_pe, batch)
         return self._decompressed(layer, q_nope, q_pe, batch)
 
@@ -188,7 +189,7 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
         return torch.ops.eaglet.mla_absorbed_attention(
             q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t,
             self._request_slots(batch, max_len), batch.seq_lens, self._token_starts(batch),
-            batch.custom_mask, layer.scaling,
+            batch.custom_mask, layer.scaling, *layer.amx_projections,
         )
 
     def _request_slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:

@@ -55,6 +55,9 @@ class MLAAttention(nn.Module):
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V] float32
         self.qkv_a_weight: torch.Tensor | None = None  # [q_lora_rank + L + R, input_size]
         self.qkv_a_bias: torch.Tensor | None = None
+        # (W_UK^T, W_UV) per head in AMX tile layout, stacked [H, ...], for the fused attention
+        # kernel's projections (eaglet.kernels.use_cpu_kernels); () runs them in float32.
+        self.amx_projections: tuple[torch.Tensor, ...] = ()
 
     def process_weights_after_loading(self) -> None:
         """Derives the absorbed-form matrices and fuses the two down-projections that read x.
