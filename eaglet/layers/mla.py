@@ -36,6 +36,8 @@ class MLAAttention(nn.Module):
         self.scaling = softmax_scale(config.qk_head_dim, config.rope)
         self.rotary = rotary
         heads_qk = self.num_heads * config.qk_head_dim
+        self.q_lora_rank = config.q_lora_rank
+        self.has_q_lora = config.q_lora_rank is not None
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(input_size, heads_qk, bias=False)
         else:
@@ -71,7 +73,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.detach().float().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()
         self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
-        if hasattr(self, "q_a_proj"):
+        if self.has_q_lora:
             q_rows = self.q_a_proj.weight.shape[0]
             fused = torch.cat([self.q_a_proj.weight.detach(), self.kv_a_proj_with_mqa.weight.detach()])
             self.q_a_proj.weight.data = fused[:q_rows]
@@ -85,7 +87,7 @@ class MLAAttention(nn.Module):
 
     def packable_weights(self) -> list[torch.Tensor]:
         """The matrices inference multiplies by (kv_b_proj: the decompressed prefill form)."""
-        if hasattr(self, "q_proj"):
+        if not self.has_q_lora:
             first = [self.q_proj.weight, self.kv_a_proj_with_mqa.weight]
         elif self.qkv_a_weight is not None:
             first = [self.qkv_a_weight, self.q_b_proj.weight]
@@ -102,7 +104,7 @@ class MLAAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if hasattr(self, "q_proj"):
+        if not self.has_q_lora:
             q = linear(x, self.q_proj.weight)
             c_kv, k_pe = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
                 [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
@@ -116,7 +118,7 @@ class MLAAttention(nn.Module):
                 )
             else:
                 q_a, c_kv, k_pe = linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
-                    [self.q_a_proj.weight.shape[0], self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+                    [self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
                 )
             q = linear(self.q_a_layernorm(q_a), self.q_b_proj.weight)
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
