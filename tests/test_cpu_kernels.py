@@ -381,6 +381,46 @@ def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx):
                 token += 1
 
 
+@pytest.mark.parametrize("amx", PROJECTIONS)
+def test_mla_attention_gives_a_tree_node_the_bits_of_its_path_decoded_alone(amx):
+    """A node of a verified tree equals, bit for bit, its own token decoded after the committed
+    prefix and its ancestors laid out one after another: greedy tree speculation then reproduces
+    plain decoding (keys the node does not see must not change its sums)."""
+    dtype = torch.bfloat16
+    cache, layer = _cache(dtype, seed=9), _Layer(amx=amx)
+    prefix, parents = 13, [-1, 0, 0, 1, 2, 1, 4]
+    tree = len(parents)
+    row = cache.alloc_row()
+    cache.grow(row, prefix)
+    mask = torch.zeros(tree, prefix + tree, dtype=torch.bool)
+    paths = []
+    for node in range(tree):
+        path, ancestor = [], node
+        while ancestor >= 0:
+            path.insert(0, ancestor)
+            ancestor = parents[ancestor]
+        paths.append(path)
+        mask[node, :prefix] = True
+        mask[node, [prefix + j for j in path]] = True
+    batch = _batch(cache, [row], [prefix], [tree], custom_mask=mask)
+    q_nope, q_pe = _queries(tree, layer, dtype, seed=10)
+    backend = FusedCPUMLABackend(cache)
+    with torch.inference_mode():
+        together = backend._absorbed(layer, q_nope, q_pe, batch)
+        kv = cache.target.kv[0]
+        tree_slots = cache.req_to_token[row, prefix : prefix + tree]
+        for node, path in enumerate(paths):
+            alone_row = cache.alloc_row()
+            slots = cache.grow(alone_row, prefix + len(path))
+            kv[slots[:prefix]] = kv[cache.req_to_token[row, :prefix]]
+            kv[slots[prefix:]] = kv[tree_slots[path]]
+            single = ForwardBatch.build(input_ids=[0], req_pool_indices=[alone_row], extend_prefix_lens=[prefix + len(path) - 1],
+                                        extend_seq_lens=[1], out_cache_loc=slots[-1:])
+            alone = backend._absorbed(layer, q_nope[node : node + 1], q_pe[node : node + 1], single)
+            assert torch.equal(alone[0], together[node]), node
+            cache.free_row(alone_row)
+
+
 def test_mla_attention_rejects_inconsistent_metadata():
     cache, layer = _cache(torch.float32), _Layer()
     row = cache.alloc_row()

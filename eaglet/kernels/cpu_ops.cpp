@@ -145,21 +145,15 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
-// x[i] = exp_approx(x[i] - shift) for a row, returns the sum of the results (in a fixed order).
-inline float exp_shifted_row(float* x, float shift, int64_t n) {
+// x[i] = exp_approx(x[i] - shift) for a row.
+inline void exp_shifted_row(float* x, float shift, int64_t n) {
 #if defined(__AVX512F__)
-  __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = tail_mask(n - i);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(shift))));
-    _mm512_mask_storeu_ps(x + i, m, e);
-    total = _mm512_add_ps(total, e);
+    _mm512_mask_storeu_ps(x + i, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(shift))));
   }
-  return _mm512_reduce_add_ps(total);
 #else
-  float total = 0.0f;
-  for (int64_t i = 0; i < n; ++i) total += (x[i] = exp_approx(x[i] - shift));
-  return total;
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_approx(x[i] - shift);
 #endif
 }
 
@@ -501,7 +495,11 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
           std::fill(p, p + keys, 0.0f);
           continue;
         }
-        const float total = exp_shifted_row(p, max_score, keys);
+        exp_shifted_row(p, max_score, keys);
+        // One running sum in key order: keys a token does not see add exact zeros, so a tree node
+        // sums its path's keys as plain decoding sums the same keys laid out one after another.
+        float total = 0.0f;
+        for (int64_t s = 0; s < keys; ++s) total += p[s];
         const float inv_total = 1.0f / total;
         for (int64_t s = 0; s < keys; ++s) p[s] *= inv_total;
       }
@@ -982,33 +980,28 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
   std::vector<float> gate_up(padded_rows * up_width), expert_out(padded_rows * down_width);
   const bool parallel = worth_threads(assigned, 2 * inter, hidden);
-  at::parallel_for(0, experts * up_groups, parallel ? 1 : experts * up_groups, [&](int64_t begin, int64_t end) {
-    configure_tiles();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = item / up_groups, g = item % up_groups;
-      if (count[e] == 0) continue;
-      const int64_t group_elems = 4 * kb_hidden * kTileK * kTileN;
-      amx_group(x_pad.data() + tile_start[e] * kp_hidden, count[e], kp_hidden, w13_base + e * w13_stride + g * group_elems,
-                kb_hidden, gate_up.data() + tile_start[e] * up_width + g * kGroupN, up_width);
-    }
-    release_tiles();
-  });
+  // out rows (width out_width) of every expert's rows of x (k_blocks tiles of k) times its weight
+  auto run_experts = [&](const at::BFloat16* x, int64_t k_blocks, const at::BFloat16* w_base, int64_t w_stride, int64_t n_groups,
+                         float* out, int64_t out_width) {
+    at::parallel_for(0, experts * n_groups, parallel ? 1 : experts * n_groups, [&](int64_t begin, int64_t end) {
+      configure_tiles();
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t e = item / n_groups, g = item % n_groups;
+        if (count[e] == 0) continue;
+        amx_group(x + tile_start[e] * k_blocks * kTileK, count[e], k_blocks * kTileK,
+                  w_base + e * w_stride + g * 4 * k_blocks * kTileK * kTileN, k_blocks, out + tile_start[e] * out_width + g * kGroupN,
+                  out_width);
+      }
+      release_tiles();
+    });
+  };
+  run_experts(x_pad.data(), kb_hidden, w13_base, w13_stride, up_groups, gate_up.data(), up_width);
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t r = 0; r < count[e]; ++r) {
       swiglu_act(gate_up.data() + (tile_start[e] + r) * up_width, inter, act.data() + (tile_start[e] + r) * kp_inter);
     }
   }
-  at::parallel_for(0, experts * down_groups, parallel ? 1 : experts * down_groups, [&](int64_t begin, int64_t end) {
-    configure_tiles();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = item / down_groups, g = item % down_groups;
-      if (count[e] == 0) continue;
-      const int64_t group_elems = 4 * kb_inter * kTileK * kTileN;
-      amx_group(act.data() + tile_start[e] * kp_inter, count[e], kp_inter, w2_base + e * w2_stride + g * group_elems,
-                kb_inter, expert_out.data() + tile_start[e] * down_width + g * kGroupN, down_width);
-    }
-    release_tiles();
-  });
+  run_experts(act.data(), kb_inter, w2_base, w2_stride, down_groups, expert_out.data(), down_width);
   // where each assignment's output row is
   std::vector<int64_t> row_of(assigned);
   for (int64_t e = 0; e < experts; ++e) {

@@ -60,10 +60,16 @@ class TorchNativeMLABackend:
         k_pe: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        self.pool.write(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
-        if batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend:
+        self._write(layer, batch, c_kv, k_pe)
+        if self._attends_absorbed(batch):
             return self._absorbed(layer, q_nope, q_pe, batch)
         return self._decompressed(layer, q_nope, q_pe, batch)
+
+    def _write(self, layer: MLAAttention, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        self.pool.write(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
+
+    def _attends_absorbed(self, batch: ForwardBatch) -> bool:
+        return batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend
 
     def _decompressed(
         self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
@@ -164,23 +170,15 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
     what ``LatentKVPool.write`` does).
     """
 
-    def forward(
-        self,
-        layer: MLAAttention,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def _write(self, layer: MLAAttention, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         torch.ops.eaglet.mla_cache_write(self.pool.kv[layer.layer_id], batch.out_cache_loc, c_kv, k_pe)
-        absorbed = batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend
+
+    def _attends_absorbed(self, batch: ForwardBatch) -> bool:
         # An extend of a few tokens against many cached ones (the draft's extend after each verify)
         # attends absorbed too: decompressing every cached latent costs more there.
-        few_new = all(n * ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN <= s for n, s in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu))
-        if absorbed or few_new:
-            return self._absorbed(layer, q_nope, q_pe, batch)
-        return self._decompressed(layer, q_nope, q_pe, batch)
+        return super()._attends_absorbed(batch) or all(
+            n * ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN <= s for n, s in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu)
+        )
 
     def _absorbed(
         self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
