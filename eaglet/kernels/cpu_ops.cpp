@@ -1,6 +1,7 @@
-// Fused CPU kernels for the decode path: RMSNorm, DeepSeek-V3 routing, and absorbed MLA attention
-// over the paged latent cache. Each replaces a chain of small PyTorch ops whose per-op dispatch
-// (not arithmetic) dominates a decode step of a small model.
+// Fused CPU kernels for the decode path: RMSNorm, rotary, DeepSeek-V3 routing, the latent cache
+// write and absorbed MLA attention over the paged cache; with AMX, bfloat16 GEMMs, SwiGLU and the
+// routed experts on tiles. Each replaces a chain of small PyTorch ops whose per-op dispatch (not
+// arithmetic) dominates a decode step of a small model.
 //
 // Every kernel computes a row (a token, or a token's head) with the same arithmetic whatever else
 // is in the batch: loops over a row's elements run in a fixed order with fixed-width partial sums,
@@ -356,13 +357,6 @@ void combine_all_rows(float* const* out, const C* const* coef, const B* const* t
   for (; r + 4 <= rows; r += 4) combine_rows<4>(out + r, coef + r, terms, num_terms, n);
   for (; r + 2 <= rows; r += 2) combine_rows<2>(out + r, coef + r, terms, num_terms, n);
   for (; r < rows; ++r) combine_rows<1>(out + r, coef + r, terms, num_terms, n);
-}
-
-template <typename K>
-void dot_all_rows(const float* const* rows, int64_t num_rows, const K* key, int64_t n, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= num_rows; r += 4) dot_rows<4>(rows + r, key, n, out + r);
-  for (; r < num_rows; ++r) dot_rows<1>(rows + r, key, n, out + r);
 }
 
 // Absorbed MLA attention in three passes, each split over threads by its own work items:
