@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from eaglet import kernels
 from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
@@ -19,7 +20,6 @@ from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.engine.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
-from eaglet import kernels
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
@@ -58,8 +58,9 @@ class EngineConfig:
     # Per decode step, draft less deeply or not at all where measured costs say the configured
     # shape would give fewer tokens/s than that (see eaglet/spec/policy.py).
     speculative_adaptive: bool = True
-    # Fused C++ kernels for RMSNorm, routing and absorbed attention (eaglet/kernels), built on first
-    # use; where they cannot be built the engine logs why and runs the PyTorch ops.
+    # Fused C++ CPU kernels (eaglet/kernels: norms, rotary, routing, attention, and on AMX the bfloat16
+    # GEMMs and experts), built on first use; where they cannot be built the engine logs why and
+    # runs the PyTorch ops.
     cpu_kernels: bool = True
 
 

@@ -1,10 +1,11 @@
 """eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
 
-The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``noaux_route`` (DeepSeek-V3 routing),
-``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
-AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles) and ``moe_routed_experts`` (all routed experts
-in one call). Each does in one call what the PyTorch fallback does in 5-40 ops, and computes every
-token independently of the rest of its batch.
+The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``rope_query_key``, ``noaux_route``
+(DeepSeek-V3 routing), ``mla_cache_write`` and ``mla_absorbed_attention`` (absorbed MLA attention
+over the paged latent cache) and, on CPUs with AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles),
+``amx_swiglu`` and ``moe_routed_experts`` (all routed experts in one call). Each does in one call
+what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
+its batch.
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
 ``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source and the torch

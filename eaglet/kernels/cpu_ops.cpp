@@ -724,54 +724,37 @@ void release_tiles() { _tile_release(); }
 
 // out[r][0:64] (row stride out_stride) = x_pad rows r < m against one group of four 16-column
 // weight blocks, in float32. x_pad holds whole tiles: ceil(m / 16) * 16 rows of kp = k_blocks * 32
-// values, zero beyond the real ones. Tiles must be configured on this thread.
-// k runs in chunks of kChunkBlocks tiles (the group's weight for a chunk, 32 KB, stays in L1 while
-// every row block passes); partial sums wait in float32 between chunks, which changes no bits: each
-// output is the same tile-product chain in k order for any m.
-constexpr int64_t kChunkBlocks = 8;
-
+// values, zero beyond the real ones. Tiles must be configured on this thread. Each output is one
+// tile-product chain in k order, the same for any m.
 void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
                float* out, int64_t out_stride) {
   const int64_t block_elems = kTileK * kTileN, w_step = k_blocks * block_elems;
-  const int64_t m_blocks = (m + kTileRows - 1) / kTileRows;
-  thread_local std::vector<float> partial;
-  partial.resize(m_blocks * kTileRows * kGroupN);
-  constexpr int64_t stride = kGroupN * 4;  // bytes per row of a partial block
-  for (int64_t k0 = 0; k0 < k_blocks; k0 += kChunkBlocks) {
-    const int64_t k1 = std::min(k_blocks, k0 + kChunkBlocks);
-    for (int64_t mb = 0; mb < m_blocks; ++mb) {
-      float* c = partial.data() + mb * kTileRows * kGroupN;
-      if (k0 == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      } else {
-        _tile_loadd(0, c, stride);
-        _tile_loadd(1, c + 16, stride);
-        _tile_loadd(2, c + 32, stride);
-        _tile_loadd(3, c + 48, stride);
-      }
-      const at::BFloat16* xrow = x_pad + mb * kTileRows * kp;
-      for (int64_t kb = k0; kb < k1; ++kb) {
-        _tile_loadd(4, xrow + kb * kTileK, kp * 2);
-        const at::BFloat16* wb = w_group + kb * block_elems;
-        _tile_loadd(5, wb, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, wb + w_step, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, wb + 2 * w_step, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, wb + 3 * w_step, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(0, c, stride);
-      _tile_stored(1, c + 16, stride);
-      _tile_stored(2, c + 32, stride);
-      _tile_stored(3, c + 48, stride);
+  alignas(64) float c[kTileRows][kGroupN];
+  for (int64_t mb = 0; mb * kTileRows < m; ++mb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const at::BFloat16* xrow = x_pad + mb * kTileRows * kp;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      _tile_loadd(4, xrow + kb * kTileK, kp * 2);
+      const at::BFloat16* wb = w_group + kb * block_elems;
+      _tile_loadd(5, wb, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, wb + w_step, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, wb + 2 * w_step, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, wb + 3 * w_step, 64);
+      _tile_dpbf16ps(3, 4, 5);
     }
+    _tile_stored(0, &c[0][0], kGroupN * 4);
+    _tile_stored(1, &c[0][16], kGroupN * 4);
+    _tile_stored(2, &c[0][32], kGroupN * 4);
+    _tile_stored(3, &c[0][48], kGroupN * 4);
+    const int64_t rows = std::min(kTileRows, m - mb * kTileRows);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], sizeof(c[r]));
   }
-  for (int64_t r = 0; r < m; ++r) std::memcpy(out + r * out_stride, partial.data() + r * kGroupN, kGroupN * sizeof(float));
 }
 #else
 constexpr bool kAmx = false;

@@ -165,9 +165,9 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
     """TorchNativeMLABackend with the absorbed form in one kernel call per layer
     (``torch.ops.eaglet.mla_absorbed_attention``, eaglet/kernels), which reads each request's
     latents straight from the paged cache and computes every token on its own: a token's output
-    does not depend on the batch around it, with no padding. EXTEND batches keep the decompressed form.
-    The new tokens' latents go into the pool's buffer in one kernel call too (``mla_cache_write``,
-    what ``LatentKVPool.write`` does).
+    does not depend on the batch around it, with no padding. EXTEND batches keep the decompressed
+    form unless they add few tokens to many cached ones. The new tokens' latents go into the pool's
+    buffer in one kernel call too (``mla_cache_write``, what ``LatentKVPool.write`` does).
     """
 
     def _write(self, layer: MLAAttention, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -186,16 +186,9 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
         max_len = max(batch.seq_lens_cpu)
         return torch.ops.eaglet.mla_absorbed_attention(
             q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t,
-            self._request_slots(batch, max_len), batch.seq_lens, self._token_starts(batch),
+            self._slots(batch, max_len).view(batch.batch_size, max_len), batch.seq_lens, self._token_starts(batch),
             batch.custom_mask, layer.scaling, *layer.amx_projections,
         )
-
-    def _request_slots(self, batch: ForwardBatch, max_len: int) -> torch.Tensor:
-        """[B, max_len]: each request's cache slots by row index."""
-        key = ("request_slots", id(self.cache.req_to_token), max_len)
-        if key not in batch._memo:
-            batch._memo[key] = self.cache.req_to_token[batch.req_pool_indices, :max_len]
-        return batch._memo[key]
 
     @staticmethod
     def _token_starts(batch: ForwardBatch) -> torch.Tensor:

@@ -124,7 +124,7 @@ def bind_trainable_fused_weights(draft: Eagle3Draft) -> None:
     for module in draft.modules():
         if isinstance(module, SwiGLU):
             module.gate_up_weight = torch.cat([module.gate_proj.weight, module.up_proj.weight])
-        elif isinstance(module, MLAAttention) and hasattr(module, "q_a_proj"):
+        elif isinstance(module, MLAAttention) and module.has_q_lora:
             q_a, kv_a = module.q_a_proj, module.kv_a_proj_with_mqa
             module.qkv_a_weight = torch.cat([q_a.weight, kv_a.weight])
             module.qkv_a_bias = torch.cat([q_a.bias, kv_a.bias]) if q_a.bias is not None else None
