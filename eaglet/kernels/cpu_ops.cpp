@@ -392,26 +392,31 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   // bfloat16 weights are the checkpoint's kv_b_proj values exactly, and pass 3 rounds o to bfloat16
   // first, as the decompressed form's probs @ V does.
   const bool amx_projections = uk_packed.has_value() && uv_packed.has_value();
-  if (amx_projections) {
-    const int64_t kb = uk_packed->size(2), kp = kb * kTileK, head_stride = uk_packed->stride(0);
-    const at::BFloat16* wp = uk_packed->data_ptr<at::BFloat16>();
+  // Per head h on tiles: rows (t, h) of out (row width out_width, n used) = x(t, h) @ packed[h]^T,
+  // x(t, h) being what fill_row(t, h, row) writes into a zeroed row of k_blocks * 32 bfloat16.
+  auto amx_per_head = [&](const at::Tensor& packed, int64_t n, float* out, int64_t out_width, auto fill_row) {
+    const int64_t kb = packed.size(2), kp = kb * kTileK, head_stride = packed.stride(0);
+    const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
     at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
       configure_tiles();
       std::vector<at::BFloat16> x_pad;
       for (int64_t h = begin; h < end; ++h) {
         x_pad.assign((tokens + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
-        for (int64_t t = 0; t < tokens; ++t) {
-          const Q* src = qn + (t * heads + h) * nope;
-          for (int64_t p = 0; p < nope; ++p) x_pad[t * kp + p] = at::BFloat16(to_float(src[p]));
-        }
-        for (int64_t g = 0; g < latent / kGroupN; ++g) {
+        for (int64_t t = 0; t < tokens; ++t) fill_row(t, h, x_pad.data() + t * kp);
+        for (int64_t g = 0; g < n / kGroupN; ++g) {
           amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
-                    query.data() + h * qdim + g * kGroupN, heads * qdim);
+                    out + h * out_width + g * kGroupN, heads * out_width);
         }
-        for (int64_t t = 0; t < tokens; ++t) load_row(query.data() + (t * heads + h) * qdim + latent, qp + (t * heads + h) * rope, rope);
       }
       release_tiles();
     });
+  };
+  if (amx_projections) {
+    amx_per_head(*uk_packed, latent, query.data(), qdim, [&](int64_t t, int64_t h, at::BFloat16* row) {
+      const Q* src = qn + (t * heads + h) * nope;
+      for (int64_t p = 0; p < nope; ++p) row[p] = at::BFloat16(to_float(src[p]));
+    });
+    for (int64_t i = 0; i < tokens * heads; ++i) load_row(query.data() + i * qdim + latent, qp + i * rope, rope);
   } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
     std::vector<float*> out_rows(tokens);
@@ -502,20 +507,8 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   });
 
   if (amx_projections) {
-    const int64_t kb = uv_packed->size(2), kp = kb * kTileK, head_stride = uv_packed->stride(0);
-    const at::BFloat16* wp = uv_packed->data_ptr<at::BFloat16>();
-    at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
-      configure_tiles();
-      std::vector<at::BFloat16> x_pad;
-      for (int64_t h = begin; h < end; ++h) {
-        x_pad.assign((tokens + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
-        for (int64_t t = 0; t < tokens; ++t) store_bf16(x_pad.data() + t * kp, o_latent.data() + (t * heads + h) * latent, nullptr, latent);
-        for (int64_t g = 0; g < value / kGroupN; ++g) {
-          amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
-                    o_value.data() + h * value + g * kGroupN, heads * value);
-        }
-      }
-      release_tiles();
+    amx_per_head(*uv_packed, value, o_value.data(), value, [&](int64_t t, int64_t h, at::BFloat16* row) {
+      store_bf16(row, o_latent.data() + (t * heads + h) * latent, nullptr, latent);
     });
   } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
