@@ -77,11 +77,13 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     (``packable_weights``) gets its tile layout copy, and the routed experts and each SwiGLU run in
     one call. Attention is the backend's (FusedCPUMLABackend). Returns how many modules and
     matrices were switched."""
+    from eaglet.kernels.decoder_stack import FusedDecoderStack
     from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
     from eaglet.layers.mla import MLAAttention
     from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
     from eaglet.layers.norms import RMSNorm
     from eaglet.layers.rotary import RotaryEmbedding
+    from eaglet.models.deepseek_v3 import DeepseekV3Model
 
     if not available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {unavailable_reason()}")
@@ -118,4 +120,8 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
         if isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_weight.dtype == torch.bfloat16:
             module.amx_weights = (getattr(module.gate_up_weight, AMX_PACKED)[0], getattr(module.down_proj.weight, AMX_PACKED)[0])
             count += 1
+    for module in model.modules():
+        if amx and isinstance(module, DeepseekV3Model):
+            module.decoder_stack = FusedDecoderStack.build(module)
+            count += module.decoder_stack is not None
     return count

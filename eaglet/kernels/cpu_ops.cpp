@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -76,6 +77,13 @@ inline void dot_rows(const float* const* rows, const K* key, int64_t n, float* o
     out[r] = total;
   }
 #endif
+}
+
+// Cache rows are read in slot order, which the hardware prefetcher cannot follow across pages.
+constexpr int64_t kPrefetchKeys = 4;
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
 // out[i] += scale * x[i]
@@ -470,6 +478,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
         const int64_t block = std::min<int64_t>(8, num_rows - r0);
         for (int64_t s = 0; s < keys; ++s) {
+          if (r0 == 0 && s + kPrefetchKeys < keys) prefetch_row(keys_of[s + kPrefetchKeys], qdim * sizeof(KV));
           float dots[8];
           if (block == 8) {
             dot_rows<8>(rows.data() + r0, keys_of[s], qdim, dots);
@@ -951,13 +960,18 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   std::vector<float> gate_up(padded_rows * up_width), expert_out(padded_rows * down_width);
   const bool parallel = worth_threads(assigned, 2 * inter, hidden);
   // out rows (width out_width) of every expert's rows of x (k_blocks tiles of k) times its weight
+  // Work items are (active expert, column group), so the threads split the experts in use evenly.
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e]) active.push_back(e);
+  }
+  const int64_t num_active = static_cast<int64_t>(active.size());
   auto run_experts = [&](const at::BFloat16* x, int64_t k_blocks, const at::BFloat16* w_base, int64_t w_stride, int64_t n_groups,
                          float* out, int64_t out_width) {
-    at::parallel_for(0, experts * n_groups, parallel ? 1 : experts * n_groups, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_active * n_groups, parallel ? 1 : num_active * n_groups, [&](int64_t begin, int64_t end) {
       configure_tiles();
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t e = item / n_groups, g = item % n_groups;
-        if (count[e] == 0) continue;
+        const int64_t e = active[item / n_groups], g = item % n_groups;
         amx_group(x + tile_start[e] * k_blocks * kTileK, count[e], k_blocks * kTileK,
                   w_base + e * w_stride + g * 4 * k_blocks * kTileK * kTileN, k_blocks, out + tile_start[e] * out_width + g * kGroupN,
                   out_width);
@@ -997,6 +1011,125 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   return out;
 }
 
+
+// The weights of one DeepSeek-V3 decoder layer in the forms the kernels above take (AMX tile
+// copies for every bfloat16 matrix), for DecoderStack.
+struct StackLayer {
+  at::Tensor input_norm, post_norm, kv_a_norm;
+  at::Tensor first;  // packed [q_a; kv_a] (with q_lora) or kv_a: the down-projections of x
+  c10::optional<at::Tensor> first_bias;
+  at::Tensor q_proj, q_a_norm;  // q_proj: packed q_b_proj (with q_lora) or q_proj
+  at::Tensor w_uk, w_uv_t;
+  c10::optional<at::Tensor> uk_packed, uv_packed;
+  at::Tensor o_proj;
+  c10::optional<at::Tensor> o_bias;
+  at::Tensor mlp_w13, mlp_w2;  // the dense SwiGLU, or the shared experts of a MoE layer (if any)
+  int64_t mlp_inter = 0;
+  bool moe = false;
+  at::Tensor router_weight, router_bias, experts_w13, experts_w2;
+  int64_t expert_inter = 0;
+};
+
+c10::optional<at::Tensor> optional_entry(const c10::Dict<std::string, at::Tensor>& weights, const std::string& name) {
+  return weights.contains(name) ? c10::optional<at::Tensor>(weights.at(name)) : c10::nullopt;
+}
+
+// A DeepSeek-V3 model's decoder layers run in one call per forward, for batches whose attention
+// takes the absorbed form: the sequence of kernels that DecoderLayer.forward calls through
+// RMSNorm, MLAAttention, FusedCPUMLABackend, MoE and SwiGLU, the same kernels on the same inputs
+// (so the same bits), without the Python in between (eaglet/kernels/decoder_stack.py).
+struct DecoderStack : torch::CustomClassHolder {
+  int64_t hidden, heads, nope, rope, value, latent, q_lora, top_k, n_group, topk_group;
+  bool norm_topk_prob, interleave;
+  double eps, scaling, routed_scaling;
+  std::vector<StackLayer> layers;
+
+  // ints: hidden, heads, qk_nope, qk_rope, v_head, kv_lora, q_lora (0: none), top_k, n_group,
+  // topk_group, norm_topk_prob, rope_interleave; floats: rms eps, softmax scale, routed scaling.
+  DecoderStack(std::vector<int64_t> ints, std::vector<double> floats) {
+    TORCH_CHECK(ints.size() == 12 && floats.size() == 3, "DecoderStack: 12 ints and 3 floats");
+    hidden = ints[0], heads = ints[1], nope = ints[2], rope = ints[3], value = ints[4], latent = ints[5], q_lora = ints[6];
+    top_k = ints[7], n_group = ints[8], topk_group = ints[9], norm_topk_prob = ints[10] != 0, interleave = ints[11] != 0;
+    eps = floats[0], scaling = floats[1], routed_scaling = floats[2];
+  }
+
+  // weights by role (see StackLayer); sizes: mlp_inter (dense or shared; 0: no shared experts), expert_inter (0: dense layer).
+  void add_layer(c10::Dict<std::string, at::Tensor> weights, std::vector<int64_t> sizes) {
+    TORCH_CHECK(sizes.size() == 2, "DecoderStack.add_layer: sizes are [mlp_inter, expert_inter]");
+    StackLayer layer;
+    layer.input_norm = weights.at("input_norm");
+    layer.post_norm = weights.at("post_norm");
+    layer.kv_a_norm = weights.at("kv_a_norm");
+    layer.first = weights.at("first");
+    layer.first_bias = optional_entry(weights, "first_bias");
+    layer.q_proj = weights.at("q_proj");
+    if (q_lora) layer.q_a_norm = weights.at("q_a_norm");
+    layer.w_uk = weights.at("w_uk");
+    layer.w_uv_t = weights.at("w_uv_t");
+    layer.uk_packed = optional_entry(weights, "uk_packed");
+    layer.uv_packed = optional_entry(weights, "uv_packed");
+    layer.o_proj = weights.at("o_proj");
+    layer.o_bias = optional_entry(weights, "o_bias");
+    layer.mlp_inter = sizes[0];
+    layer.expert_inter = sizes[1];
+    layer.moe = sizes[1] > 0;
+    if (layer.mlp_inter) {
+      layer.mlp_w13 = weights.at("mlp_w13");
+      layer.mlp_w2 = weights.at("mlp_w2");
+    }
+    if (layer.moe) {
+      layer.router_weight = weights.at("router_weight");
+      layer.router_bias = weights.at("router_bias");
+      layer.experts_w13 = weights.at("experts_w13");
+      layer.experts_w2 = weights.at("experts_w2");
+    }
+    TORCH_CHECK(layer.moe || layer.mlp_inter, "DecoderStack.add_layer: a layer needs a dense MLP or experts");
+    layers.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // hidden [T, D] bfloat16 in; returns [final hidden (before the model's norm), then the hidden
+  // after each layer of capture_layers, ascending]. kv: the pool [layers, slots, L + R]; the rest
+  // is mla_absorbed_attention's metadata, the same for every layer.
+  std::vector<at::Tensor> forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor out_cache_loc,
+                                  at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts,
+                                  c10::optional<at::Tensor> custom_mask, std::vector<int64_t> capture_layers) {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kBFloat16, "DecoderStack: bfloat16 hidden [T, ", hidden, "]");
+    TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "DecoderStack: cache pool [", num_layers(), ", slots, L + R]");
+    const int64_t tokens = h.size(0), first_n = (q_lora ? q_lora : 0) + latent + rope;
+    std::vector<at::Tensor> out{at::Tensor()};
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const StackLayer& l = layers[i];
+      const at::Tensor x = rms_norm(h, l.input_norm, eps);
+      const at::Tensor down = amx_linear(x, l.first, first_n, l.first_bias);
+      const int64_t offset = q_lora ? q_lora : 0;
+      const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
+      const at::Tensor q = amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
+      const at::Tensor c_kv = rms_norm(down.narrow(1, offset, latent), l.kv_a_norm, eps);
+      auto [q_pe, k_pe] = rope_query_key(q.narrow(2, nope, rope), down.narrow(1, offset + latent, rope), cos, sin, interleave);
+      at::Tensor layer_kv = kv.select(0, i);
+      mla_cache_write(layer_kv, out_cache_loc, c_kv, k_pe);
+      const at::Tensor attn = mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens,
+                                                     token_starts, custom_mask, scaling, l.uk_packed, l.uv_packed);
+      h = at::add(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias));
+      const at::Tensor y = rms_norm(h, l.post_norm, eps);
+      at::Tensor mlp;
+      if (l.moe) {
+        auto [weights, ids] = noaux_route(y, l.router_weight, l.router_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling);
+        mlp = moe_routed_experts(y, l.experts_w13, l.experts_w2, weights, ids, l.expert_inter);
+        if (l.mlp_inter) mlp = at::add(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter));
+      } else {
+        mlp = amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter);
+      }
+      h = at::add(h, mlp);
+      if (std::find(capture_layers.begin(), capture_layers.end(), i) != capture_layers.end()) out.push_back(h);
+    }
+    out[0] = h;
+    return out;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eaglet_info, m) {
@@ -1004,6 +1137,11 @@ TORCH_LIBRARY_FRAGMENT(eaglet_info, m) {
 }
 
 TORCH_LIBRARY(eaglet, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<int64_t>, std::vector<double>>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");

@@ -183,12 +183,25 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
     def _absorbed(
         self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        max_len = max(batch.seq_lens_cpu)
+        slots, kv_lens, token_starts, custom_mask = self._attention_metadata(batch)
         return torch.ops.eaglet.mla_absorbed_attention(
-            q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t,
-            self._slots(batch, max_len).view(batch.batch_size, max_len), batch.seq_lens, self._token_starts(batch),
-            batch.custom_mask, layer.scaling, *layer.amx_projections,
+            q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t, slots, kv_lens, token_starts,
+            custom_mask, layer.scaling, *layer.amx_projections,
         )
+
+    def absorbed_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...] | None:
+        """What the decoder stack (eaglet/kernels/decoder_stack.py) takes for a batch this backend
+        attends absorbed: (the pool's cache [layers, slots, L + R], out_cache_loc, slots, kv_lens,
+        token_starts, custom_mask); None for a batch it attends decompressed."""
+        if not self._attends_absorbed(batch):
+            return None
+        return (self.pool.kv, batch.out_cache_loc, *self._attention_metadata(batch))
+
+    def _attention_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
+        """mla_absorbed_attention's (slots [B, S], kv_lens, token_starts, custom_mask)."""
+        max_len = max(batch.seq_lens_cpu)
+        slots = self._slots(batch, max_len).view(batch.batch_size, max_len)
+        return slots, batch.seq_lens, self._token_starts(batch), batch.custom_mask
 
     @staticmethod
     def _token_starts(batch: ForwardBatch) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from eaglet.kernels.decoder_stack import FusedDecoderStack
 
 
 @dataclass
@@ -58,20 +62,29 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # All layers in one kernel call for the batches it takes (eaglet.kernels.use_cpu_kernels).
+        self.decoder_stack: FusedDecoderStack | None = None
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, D], captured residual streams or None)."""
         hidden = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin_as(batch.positions, hidden.dtype)
-        captured: list[torch.Tensor] = []
-        for layer_id, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, batch, backend)
-            if layer_id in batch.capture_layers:
-                captured.append(hidden)
+        capture_order = sorted(set(batch.capture_layers))
+        stacked = None
+        if self.decoder_stack is not None:
+            stacked = self.decoder_stack.forward(hidden, cos, sin, batch, backend, capture_order)
+        if stacked is not None:
+            hidden, *captured = stacked
+        else:
+            captured = []
+            for layer_id, layer in enumerate(self.layers):
+                hidden = layer(hidden, cos, sin, batch, backend)
+                if layer_id in batch.capture_layers:
+                    captured.append(hidden)
         aux = None
         if batch.capture_layers:
             # Concatenate in the order the caller asked for, not in layer order.
-            by_layer = dict(zip(sorted(set(batch.capture_layers)), captured))
+            by_layer = dict(zip(capture_order, captured))
             aux = torch.cat([by_layer[i] for i in batch.capture_layers], dim=-1)
         return self.norm(hidden), aux
 

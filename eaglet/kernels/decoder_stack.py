@@ -1,0 +1,115 @@
+"""A DeepSeek-V3 model's decoder layers in one kernel call per forward (``torch.classes.eaglet.DecoderStack``).
+
+A small model's decode step is dominated by Python: about 20 op calls and 8 module calls per
+layer, each some microseconds, around kernels that take tens. The stack runs the same kernels
+that ``DecoderLayer.forward`` reaches through RMSNorm, MLAAttention, FusedCPUMLABackend, MoE and
+SwiGLU, on the same inputs and in the same order, from C++: the same bits (tests/test_decoder_stack.py).
+It applies where that Python path would run the AMX kernels throughout: a bfloat16 model whose
+matrices all have tile copies, no autograd, at most PADDED_MAX_ROWS tokens, and a batch the fused
+backend attends in the absorbed form (decode, verify, draft extends). Other batches (prefill) take
+the layer-by-layer path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from eaglet.layers.attention_backend import FusedCPUMLABackend
+from eaglet.layers.linear import AMX_PACKED, PADDED_MAX_ROWS
+from eaglet.layers.moe import MoE, SwiGLU
+
+if TYPE_CHECKING:
+    from eaglet.engine.forward_batch import ForwardBatch
+    from eaglet.layers.attention_backend import AttentionBackend
+    from eaglet.models.deepseek_v3 import DecoderLayer, DeepseekV3Model
+
+
+def _tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    packed = getattr(weight, AMX_PACKED, None)
+    return packed[0] if packed is not None and packed[1] == weight._version else None
+
+
+def _layer_weights(layer: DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+    """The layer's weights by the roles DecoderStack.add_layer takes, or None where one of its
+    matrices would not run on the AMX kernels."""
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+               "kv_a_norm": attn.kv_a_layernorm.weight, "o_proj": _tiles(attn.o_proj.weight)}
+    if attn.has_q_lora:
+        if attn.qkv_a_weight is None:
+            return None
+        weights |= {"first": _tiles(attn.qkv_a_weight), "q_proj": _tiles(attn.q_b_proj.weight),
+                    "q_a_norm": attn.q_a_layernorm.weight}
+        first_bias = attn.qkv_a_bias
+    else:
+        weights |= {"first": _tiles(attn.kv_a_proj_with_mqa.weight), "q_proj": _tiles(attn.q_proj.weight)}
+        first_bias = attn.kv_a_proj_with_mqa.bias
+    if attn.w_uk is None:
+        return None
+    weights |= {"w_uk": attn.w_uk, "w_uv_t": attn.w_uv_t}
+    if attn.amx_projections:
+        weights |= dict(zip(("uk_packed", "uv_packed"), attn.amx_projections))
+    for name, bias in (("first_bias", first_bias), ("o_bias", attn.o_proj.bias)):
+        if bias is not None:
+            weights[name] = bias.detach()
+    dense = mlp if isinstance(mlp, SwiGLU) else mlp.shared_experts if isinstance(mlp, MoE) else None
+    sizes = [0, 0]
+    if dense is not None:
+        if dense.amx_weights is None:
+            return None
+        weights |= dict(zip(("mlp_w13", "mlp_w2"), dense.amx_weights))
+        sizes[0] = dense.down_proj.weight.shape[1]
+    if isinstance(mlp, MoE):
+        if mlp.experts.amx_weights is None or not mlp.gate.fused:
+            return None
+        weights |= {"router_weight": mlp.gate.weight.detach(), "router_bias": mlp.gate.e_score_correction_bias.detach()}
+        weights |= dict(zip(("experts_w13", "experts_w2"), mlp.experts.amx_weights))
+        sizes[1] = mlp.experts.intermediate_size
+    elif not isinstance(mlp, SwiGLU):
+        return None
+    if any(w is None for w in weights.values()) or not (layer.input_layernorm.fused and attn.rotary.fused):
+        return None
+    return {name: w.detach() for name, w in weights.items()}, sizes
+
+
+class FusedDecoderStack:
+    """The C++ stack of a DeepseekV3Model's layers; ``forward`` returns None for batches it does not take."""
+
+    def __init__(self, stack: torch.ScriptObject, num_layers: int) -> None:
+        self.stack = stack
+        self.num_layers = num_layers
+
+    @classmethod
+    def build(cls, model: DeepseekV3Model) -> FusedDecoderStack | None:
+        """The stack for ``model`` after ``use_cpu_kernels``; None if any layer would not run on the AMX kernels."""
+        config = model.config
+        if model.embed_tokens.weight.dtype != torch.bfloat16:
+            return None
+        first_attn = model.layers[0].self_attn
+        ints = [config.hidden_size, config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                config.v_head_dim, config.kv_lora_rank, config.q_lora_rank or 0, config.num_experts_per_tok or 0,
+                config.n_group or 1, config.topk_group or 1, int(bool(config.norm_topk_prob)), int(config.rope_interleave)]
+        floats = [config.rms_norm_eps, first_attn.scaling, float(config.routed_scaling_factor or 1.0)]
+        stack = torch.classes.eaglet.DecoderStack(ints, floats)
+        for layer in model.layers:
+            entry = _layer_weights(layer)
+            if entry is None:
+                return None
+            stack.add_layer(*entry)
+        return cls(stack, len(model.layers))
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+        capture_layers: list[int],
+    ) -> list[torch.Tensor] | None:
+        """[hidden after the last layer, then after each of ``capture_layers`` (ascending)], or
+        None where the layer-by-layer path must run."""
+        if (not isinstance(backend, FusedCPUMLABackend) or hidden.dtype != torch.bfloat16
+                or hidden.shape[0] > PADDED_MAX_ROWS or torch.is_grad_enabled()):
+            return None
+        inputs = backend.absorbed_inputs(batch)
+        if inputs is None:
+            return None
+        return self.stack.forward(hidden, cos, sin, *inputs, capture_layers)

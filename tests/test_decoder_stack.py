@@ -1,0 +1,178 @@
+"""The C++ decoder stack (eaglet/kernels/decoder_stack.py) against the layer-by-layer path it replaces.
+
+Both run the same kernels, so every comparison is bit for bit: logits, captured residual streams
+and the latents written to the cache, for ragged decode, chain verify and tree verify batches.
+"""
+
+import pytest
+import torch
+
+from eaglet import LLM, kernels
+from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.layers.attention_backend import FusedCPUMLABackend
+from tests.checkpoints import write_deepseek_v3_checkpoint
+
+
+def _has_amx() -> bool:
+    return kernels.available() and torch.ops.eaglet_info.amx_supported()
+
+
+pytestmark = pytest.mark.skipif(not _has_amx(), reason="the decoder stack needs the AMX kernels")
+
+CONFIGS = {
+    "q-lora": {},
+    "amx-projections": {"kv_lora_rank": 64, "v_head_dim": 64, "qk_nope_head_dim": 16},
+    "no-q-lora-with-bias": {"q_lora_rank": None, "attention_bias": True},
+    "dense-only": {"first_k_dense_replace": 3},
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def llm(request, tmp_path_factory):
+    path = write_deepseek_v3_checkpoint(tmp_path_factory.mktemp(f"stack-{request.param}"), CONFIGS[request.param],
+                                        seed=3, dtype=torch.bfloat16)
+    return LLM(str(path), dtype="bfloat16", show_progress=False, cpu_kernels=True)
+
+
+def _decoder(llm: LLM):
+    return llm.engine.model.model
+
+
+def _batch(llm: LLM, prefix_lens: list[int], new_lens: list[int], custom_mask: torch.Tensor | None = None,
+           capture_layers: tuple[int, ...] = (), mode: ForwardMode | None = None) -> ForwardBatch:
+    """Requests with random latents cached for their prefixes, and random new tokens."""
+    cache = llm.engine.cache
+    g = torch.Generator().manual_seed(sum(prefix_lens) + len(new_lens))
+    rows, slots = [], []
+    for prefix, new in zip(prefix_lens, new_lens):
+        row = cache.alloc_row()
+        row_slots = cache.grow(row, prefix + new)
+        kv = cache.target.kv
+        kv[:, row_slots[:prefix]] = torch.randn(kv.shape[0], prefix, kv.shape[2], generator=g).to(kv.dtype)
+        rows.append(row)
+        slots.append(row_slots[prefix:])
+    vocab = llm.engine.model.config.vocab_size
+    if mode is None:
+        mode = ForwardMode.DECODE if all(n == 1 for n in new_lens) and custom_mask is None else ForwardMode.VERIFY
+    return ForwardBatch.build(input_ids=torch.randint(0, vocab, (sum(new_lens),), generator=g), req_pool_indices=rows,
+                              extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens, out_cache_loc=torch.cat(slots),
+                              mode=mode, capture_layers=capture_layers, custom_mask=custom_mask)
+
+
+def _both_paths(llm: LLM, batch: ForwardBatch):
+    """(stack output, layer-by-layer output, cache after each), from the same starting cache."""
+    model, decoder, cache = llm.engine.model, _decoder(llm), llm.engine.cache
+    backend = FusedCPUMLABackend(cache)
+    assert decoder.decoder_stack is not None
+    assert backend.absorbed_inputs(batch) is not None
+    before = cache.target.kv.clone()
+    stack = decoder.decoder_stack
+    with torch.inference_mode():
+        fused = model(batch, backend)
+        fused_kv = cache.target.kv.clone()
+        cache.target.kv.copy_(before)
+        decoder.decoder_stack = None
+        try:
+            layered = model(batch, backend)
+        finally:
+            decoder.decoder_stack = stack
+    return fused, layered, fused_kv, cache.target.kv.clone()
+
+
+def _free(llm: LLM, batch: ForwardBatch) -> None:
+    for row in batch.req_pool_indices.tolist():
+        llm.engine.cache.free_row(row)
+
+
+def _assert_same(fused, layered, fused_kv, layered_kv) -> None:
+    assert torch.equal(fused.logits, layered.logits)
+    assert torch.equal(fused_kv, layered_kv)
+    if layered.aux_hidden_states is None:
+        assert fused.aux_hidden_states is None
+    else:
+        assert torch.equal(fused.aux_hidden_states, layered.aux_hidden_states)
+
+
+def test_ragged_decode_matches_the_layer_path(llm):
+    batch = _batch(llm, [5, 40, 17, 2], [1, 1, 1, 1], capture_layers=(2, 0))
+    try:
+        _assert_same(*_both_paths(llm, batch))
+    finally:
+        _free(llm, batch)
+
+
+def test_chain_verify_matches_the_layer_path(llm):
+    batch = _batch(llm, [9, 30, 21], [4, 4, 4], capture_layers=(1,))
+    try:
+        _assert_same(*_both_paths(llm, batch))
+    finally:
+        _free(llm, batch)
+
+
+def test_tree_verify_matches_the_layer_path(llm):
+    prefix_lens, parents = [12, 25], [-1, 0, 0, 1, 2]
+    tree = len(parents)
+    masks = []
+    for prefix in prefix_lens:
+        mask = torch.zeros(tree, max(prefix_lens) + tree, dtype=torch.bool)
+        for node in range(tree):
+            mask[node, :prefix] = True
+            ancestor = node
+            while ancestor >= 0:
+                mask[node, prefix + ancestor] = True
+                ancestor = parents[ancestor]
+        masks.append(mask)
+    batch = _batch(llm, prefix_lens, [tree, tree], custom_mask=torch.cat(masks))
+    try:
+        _assert_same(*_both_paths(llm, batch))
+    finally:
+        _free(llm, batch)
+
+
+def test_prefill_and_autograd_take_the_layer_path(llm):
+    decoder, cache = _decoder(llm), llm.engine.cache
+    backend = FusedCPUMLABackend(cache)
+    prefill = _batch(llm, [0, 0], [6, 3], mode=ForwardMode.EXTEND)
+    decode = _batch(llm, [7], [1])
+    try:
+        hidden = torch.zeros(prefill.num_tokens, decoder.config.hidden_size, dtype=torch.bfloat16)
+        cos, sin = decoder.rotary.cos_sin_as(prefill.positions, hidden.dtype)
+        with torch.inference_mode():
+            assert decoder.decoder_stack.forward(hidden, cos, sin, prefill, backend, []) is None
+        hidden = hidden[:1]
+        cos, sin = decoder.rotary.cos_sin_as(decode.positions, hidden.dtype)
+        with torch.enable_grad():
+            assert decoder.decoder_stack.forward(hidden, cos, sin, decode, backend, []) is None
+    finally:
+        _free(llm, prefill)
+        _free(llm, decode)
+
+
+def test_greedy_generation_is_the_same_with_and_without_the_stack(llm):
+    prompts = [{"prompt_token_ids": [3 + i, 9, 27, 4 + 2 * i][: 2 + i % 3]} for i in range(5)]
+    from eaglet import SamplingParams
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    fused = [out.token_ids for out in llm.generate(prompts, params)]
+    decoder = _decoder(llm)
+    stack, decoder.decoder_stack = decoder.decoder_stack, None
+    try:
+        layered = [out.token_ids for out in llm.generate(prompts, params)]
+    finally:
+        decoder.decoder_stack = stack
+    assert fused == layered
+
+
+def test_no_stack_for_float32_or_without_kernels(tmp_path):
+    path = write_deepseek_v3_checkpoint(tmp_path / "ckpt", seed=4, dtype=torch.bfloat16)
+    assert _decoder(LLM(str(path), dtype="float32", show_progress=False)).decoder_stack is None
+    assert _decoder(LLM(str(path), dtype="bfloat16", show_progress=False, cpu_kernels=False)).decoder_stack is None
+
+
+def test_stack_rejects_a_hidden_state_of_the_wrong_width(llm):
+    stack = _decoder(llm).decoder_stack.stack
+    hidden_size = _decoder(llm).config.hidden_size
+    bad = torch.zeros(1, hidden_size + 1, dtype=torch.bfloat16)
+    empty = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="DecoderStack: bfloat16 hidden"):
+        stack.forward(bad, bad, bad, llm.engine.cache.target.kv, empty, empty, empty, empty, None, [])
