@@ -1,16 +1,18 @@
 """The C++ decoder stack (eaglet/kernels/decoder_stack.py) against the layer-by-layer path it replaces.
 
 Both run the same kernels, so every comparison is bit for bit: logits, captured residual streams
-and the latents written to the cache, for ragged decode, chain verify and tree verify batches.
+and the latents written to the cache, for ragged decode, chain verify and tree verify batches of
+the target, and for every draft forward of speculative rounds (the MLA draft's midlayer).
 """
 
 import pytest
 import torch
 
-from eaglet import LLM, kernels
+from eaglet import LLM, SamplingParams, kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.layers.attention_backend import FusedCPUMLABackend
-from tests.checkpoints import write_deepseek_v3_checkpoint
+from checkpoints import write_deepseek_v3_checkpoint
+from spec_fixtures import echo_draft, echo_text_target
 
 
 def _has_amx() -> bool:
@@ -150,8 +152,6 @@ def test_prefill_and_autograd_take_the_layer_path(llm):
 
 def test_greedy_generation_is_the_same_with_and_without_the_stack(llm):
     prompts = [{"prompt_token_ids": [3 + i, 9, 27, 4 + 2 * i][: 2 + i % 3]} for i in range(5)]
-    from eaglet import SamplingParams
-
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     fused = [out.token_ids for out in llm.generate(prompts, params)]
     decoder = _decoder(llm)
@@ -176,3 +176,43 @@ def test_stack_rejects_a_hidden_state_of_the_wrong_width(llm):
     empty = torch.zeros(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match="DecoderStack: bfloat16 hidden"):
         stack.forward(bad, bad, bad, llm.engine.cache.target.kv, empty, empty, empty, empty, None, [])
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, shape):
+    """Each draft forward of real rounds (step batches, the extend after each verify, with the
+    draft cache they really see) runs both ways from the same cache: the same logits, fed-back
+    hidden and draft latents."""
+    target = echo_text_target(tmp_path / "target", alpha=1.0, dtype=torch.bfloat16)
+    draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
+    steps, topk, tokens = shape
+    llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(draft_path), speculative_num_steps=steps, speculative_eagle_topk=topk,
+              speculative_num_draft_tokens=tokens, speculative_adaptive=False)
+    worker = llm.engine.spec_worker
+    draft = worker.draft
+    assert draft.fused_midlayer is not None
+    layer_path = draft.forward
+    fused_calls = []
+
+    def both_paths(batch, backend, hidden, *, hidden_is_target_features):
+        before = worker.pool.kv.clone()
+        fused = layer_path(batch, backend, hidden, hidden_is_target_features=hidden_is_target_features)
+        fused_kv = worker.pool.kv.clone()
+        worker.pool.kv.copy_(before)
+        midlayer, draft.fused_midlayer = draft.fused_midlayer, None
+        try:
+            layered = layer_path(batch, backend, hidden, hidden_is_target_features=hidden_is_target_features)
+        finally:
+            draft.fused_midlayer = midlayer
+        assert torch.equal(fused.logits, layered.logits)
+        assert torch.equal(fused.hidden_out, layered.hidden_out)
+        assert torch.equal(fused_kv, worker.pool.kv)
+        fused_calls.append(backend.absorbed_inputs(batch) is not None)
+        return fused
+
+    draft.forward = both_paths
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 2 * i))} for i in range(3)]
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+    assert all(len(out.token_ids) == 10 for out in outputs)
+    assert sum(fused_calls) >= 3 and not all(fused_calls)  # step batches fused, prefill extends not

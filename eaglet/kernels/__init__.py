@@ -77,13 +77,14 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     (``packable_weights``) gets its tile layout copy, and the routed experts and each SwiGLU run in
     one call. Attention is the backend's (FusedCPUMLABackend). Returns how many modules and
     matrices were switched."""
-    from eaglet.kernels.decoder_stack import FusedDecoderStack
+    from eaglet.kernels.decoder_stack import FusedDecoderStack, FusedMidlayer
     from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
     from eaglet.layers.mla import MLAAttention
     from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
     from eaglet.layers.norms import RMSNorm
     from eaglet.layers.rotary import RotaryEmbedding
     from eaglet.models.deepseek_v3 import DeepseekV3Model
+    from eaglet.models.eagle3 import Eagle3Draft
 
     if not available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {unavailable_reason()}")
@@ -124,4 +125,7 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
         if amx and isinstance(module, DeepseekV3Model):
             module.decoder_stack = FusedDecoderStack.build(module)
             count += module.decoder_stack is not None
+        if amx and isinstance(module, Eagle3Draft):
+            module.fused_midlayer = FusedMidlayer.build(module)
+            count += module.fused_midlayer is not None
     return count

@@ -1016,6 +1016,7 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
 // copies for every bfloat16 matrix), for DecoderStack.
 struct StackLayer {
   at::Tensor input_norm, post_norm, kv_a_norm;
+  at::Tensor hidden_norm;  // the EAGLE-3 midlayer's norm of the fed-back hidden (undefined otherwise)
   at::Tensor first;  // packed [q_a; kv_a] (with q_lora) or kv_a: the down-projections of x
   c10::optional<at::Tensor> first_bias;
   at::Tensor q_proj, q_a_norm;  // q_proj: packed q_b_proj (with q_lora) or q_proj
@@ -1060,6 +1061,7 @@ struct DecoderStack : torch::CustomClassHolder {
     layer.input_norm = weights.at("input_norm");
     layer.post_norm = weights.at("post_norm");
     layer.kv_a_norm = weights.at("kv_a_norm");
+    if (weights.contains("hidden_norm")) layer.hidden_norm = weights.at("hidden_norm");
     layer.first = weights.at("first");
     layer.first_bias = optional_entry(weights, "first_bias");
     layer.q_proj = weights.at("q_proj");
@@ -1095,38 +1097,60 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<at::Tensor> forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor out_cache_loc,
                                   at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts,
                                   c10::optional<at::Tensor> custom_mask, std::vector<int64_t> capture_layers) {
-    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kBFloat16, "DecoderStack: bfloat16 hidden [T, ", hidden, "]");
-    TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "DecoderStack: cache pool [", num_layers(), ", slots, L + R]");
-    const int64_t tokens = h.size(0), first_n = (q_lora ? q_lora : 0) + latent + rope;
+    check_inputs(h, kv);
     std::vector<at::Tensor> out{at::Tensor()};
     for (int64_t i = 0; i < num_layers(); ++i) {
       const StackLayer& l = layers[i];
-      const at::Tensor x = rms_norm(h, l.input_norm, eps);
-      const at::Tensor down = amx_linear(x, l.first, first_n, l.first_bias);
-      const int64_t offset = q_lora ? q_lora : 0;
-      const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
-      const at::Tensor q = amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
-      const at::Tensor c_kv = rms_norm(down.narrow(1, offset, latent), l.kv_a_norm, eps);
-      auto [q_pe, k_pe] = rope_query_key(q.narrow(2, nope, rope), down.narrow(1, offset + latent, rope), cos, sin, interleave);
-      at::Tensor layer_kv = kv.select(0, i);
-      mla_cache_write(layer_kv, out_cache_loc, c_kv, k_pe);
-      const at::Tensor attn = mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens,
-                                                     token_starts, custom_mask, scaling, l.uk_packed, l.uv_packed);
-      h = at::add(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias));
-      const at::Tensor y = rms_norm(h, l.post_norm, eps);
-      at::Tensor mlp;
-      if (l.moe) {
-        auto [weights, ids] = noaux_route(y, l.router_weight, l.router_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling);
-        mlp = moe_routed_experts(y, l.experts_w13, l.experts_w2, weights, ids, l.expert_inter);
-        if (l.mlp_inter) mlp = at::add(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter));
-      } else {
-        mlp = amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter);
-      }
-      h = at::add(h, mlp);
+      h = layer_forward(l, i, rms_norm(h, l.input_norm, eps), h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
       if (std::find(capture_layers.begin(), capture_layers.end(), i) != capture_layers.end()) out.push_back(h);
     }
     out[0] = h;
     return out;
+  }
+
+  // The EAGLE-3 midlayer (a stack of one layer added with a "hidden_norm"): attention reads
+  // cat(input_norm(emb), hidden_norm(h)), h is the residual. Returns the layer's output.
+  at::Tensor forward_eagle3(at::Tensor emb, at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor out_cache_loc,
+                            at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts, c10::optional<at::Tensor> custom_mask) {
+    TORCH_CHECK(num_layers() == 1 && layers[0].hidden_norm.defined(), "DecoderStack.forward_eagle3: a stack of one EAGLE-3 midlayer");
+    TORCH_CHECK(emb.sizes() == h.sizes() && emb.scalar_type() == h.scalar_type(), "DecoderStack.forward_eagle3: emb and hidden differ in shape");
+    check_inputs(h, kv);
+    const StackLayer& l = layers[0];
+    const at::Tensor x = at::cat({rms_norm(emb, l.input_norm, eps), rms_norm(h, l.hidden_norm, eps)}, -1);
+    return layer_forward(l, 0, x, h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
+  }
+
+ private:
+  void check_inputs(const at::Tensor& h, const at::Tensor& kv) const {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kBFloat16, "DecoderStack: bfloat16 hidden [T, ", hidden, "]");
+    TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "DecoderStack: cache pool [", num_layers(), ", slots, L + R]");
+  }
+
+  // One layer: h + attention(x), then + the MLP of its norm; x is the normed attention input.
+  at::Tensor layer_forward(const StackLayer& l, int64_t index, const at::Tensor& x, at::Tensor h, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& kv, const at::Tensor& out_cache_loc, const at::Tensor& slots,
+                           const at::Tensor& kv_lens, const at::Tensor& token_starts, const c10::optional<at::Tensor>& custom_mask) {
+    const int64_t tokens = h.size(0), offset = q_lora ? q_lora : 0;
+    const at::Tensor down = amx_linear(x, l.first, offset + latent + rope, l.first_bias);
+    const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
+    const at::Tensor q = amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
+    const at::Tensor c_kv = rms_norm(down.narrow(1, offset, latent), l.kv_a_norm, eps);
+    auto [q_pe, k_pe] = rope_query_key(q.narrow(2, nope, rope), down.narrow(1, offset + latent, rope), cos, sin, interleave);
+    at::Tensor layer_kv = kv.select(0, index);
+    mla_cache_write(layer_kv, out_cache_loc, c_kv, k_pe);
+    const at::Tensor attn = mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens,
+                                                   token_starts, custom_mask, scaling, l.uk_packed, l.uv_packed);
+    h = at::add(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias));
+    const at::Tensor y = rms_norm(h, l.post_norm, eps);
+    at::Tensor mlp;
+    if (l.moe) {
+      auto [weights, ids] = noaux_route(y, l.router_weight, l.router_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling);
+      mlp = moe_routed_experts(y, l.experts_w13, l.experts_w2, weights, ids, l.expert_inter);
+      if (l.mlp_inter) mlp = at::add(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter));
+    } else {
+      mlp = amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter);
+    }
+    return at::add(h, mlp);
   }
 };
 
@@ -1141,7 +1165,8 @@ TORCH_LIBRARY(eaglet, m) {
       .def(torch::init<std::vector<int64_t>, std::vector<double>>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward)
+      .def("forward_eagle3", &DecoderStack::forward_eagle3);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");

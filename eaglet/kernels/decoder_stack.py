@@ -1,4 +1,5 @@
-"""A DeepSeek-V3 model's decoder layers in one kernel call per forward (``torch.classes.eaglet.DecoderStack``).
+"""A DeepSeek-V3 model's decoder layers, and an MLA EAGLE-3 draft's midlayer, in one kernel call per
+forward (``torch.classes.eaglet.DecoderStack``).
 
 A small model's decode step is dominated by Python: about 20 op calls and 8 module calls per
 layer, each some microseconds, around kernels that take tens. The stack runs the same kernels
@@ -15,15 +16,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from eaglet.config import TextConfig
 from eaglet.layers.attention_backend import FusedCPUMLABackend
 from eaglet.layers.linear import AMX_PACKED, PADDED_MAX_ROWS
+from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
+from eaglet.models.eagle3 import Eagle3DecoderLayer
 
 if TYPE_CHECKING:
     from eaglet.engine.forward_batch import ForwardBatch
     from eaglet.layers.attention_backend import AttentionBackend
     from eaglet.models.deepseek_v3 import DecoderLayer, DeepseekV3Model
+    from eaglet.models.eagle3 import Eagle3Draft
 
 
 def _tiles(weight: torch.Tensor) -> torch.Tensor | None:
@@ -31,12 +37,18 @@ def _tiles(weight: torch.Tensor) -> torch.Tensor | None:
     return packed[0] if packed is not None and packed[1] == weight._version else None
 
 
-def _layer_weights(layer: DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
     """The layer's weights by the roles DecoderStack.add_layer takes, or None where one of its
     matrices would not run on the AMX kernels."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn, MLAAttention):
+        return None
     weights = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
                "kv_a_norm": attn.kv_a_layernorm.weight, "o_proj": _tiles(attn.o_proj.weight)}
+    if isinstance(layer, Eagle3DecoderLayer):
+        weights["hidden_norm"] = layer.hidden_norm.weight
+        if not layer.hidden_norm.fused:
+            return None
     if attn.has_q_lora:
         if attn.qkv_a_weight is None:
             return None
@@ -74,31 +86,42 @@ def _layer_weights(layer: DecoderLayer) -> tuple[dict[str, torch.Tensor], list[i
     return {name: w.detach() for name, w in weights.items()}, sizes
 
 
+def _build(config: TextConfig, layers: list[nn.Module]) -> torch.ScriptObject | None:
+    """A DecoderStack of ``layers``; None if one of them would not run on the AMX kernels."""
+    if not layers or any(p.dtype != torch.bfloat16 for layer in layers for p in layer.parameters()):
+        return None
+    ints = [config.hidden_size, config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim, config.kv_lora_rank, config.q_lora_rank or 0, config.num_experts_per_tok or 0,
+            config.n_group or 1, config.topk_group or 1, int(bool(config.norm_topk_prob)), int(config.rope_interleave)]
+    floats = [config.rms_norm_eps, layers[0].self_attn.scaling, float(config.routed_scaling_factor or 1.0)]
+    stack = torch.classes.eaglet.DecoderStack(ints, floats)
+    for layer in layers:
+        entry = _layer_weights(layer)
+        if entry is None:
+            return None
+        stack.add_layer(*entry)
+    return stack
+
+
+def _absorbed_inputs(backend: AttentionBackend, hidden: torch.Tensor, batch: ForwardBatch) -> tuple | None:
+    """The stack's attention inputs for this batch, or None where the layer-by-layer path must run."""
+    if (not isinstance(backend, FusedCPUMLABackend) or hidden.dtype != torch.bfloat16
+            or hidden.shape[0] > PADDED_MAX_ROWS or torch.is_grad_enabled()):
+        return None
+    return backend.absorbed_inputs(batch)
+
+
 class FusedDecoderStack:
     """The C++ stack of a DeepseekV3Model's layers; ``forward`` returns None for batches it does not take."""
 
-    def __init__(self, stack: torch.ScriptObject, num_layers: int) -> None:
+    def __init__(self, stack: torch.ScriptObject) -> None:
         self.stack = stack
-        self.num_layers = num_layers
 
     @classmethod
     def build(cls, model: DeepseekV3Model) -> FusedDecoderStack | None:
         """The stack for ``model`` after ``use_cpu_kernels``; None if any layer would not run on the AMX kernels."""
-        config = model.config
-        if model.embed_tokens.weight.dtype != torch.bfloat16:
-            return None
-        first_attn = model.layers[0].self_attn
-        ints = [config.hidden_size, config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                config.v_head_dim, config.kv_lora_rank, config.q_lora_rank or 0, config.num_experts_per_tok or 0,
-                config.n_group or 1, config.topk_group or 1, int(bool(config.norm_topk_prob)), int(config.rope_interleave)]
-        floats = [config.rms_norm_eps, first_attn.scaling, float(config.routed_scaling_factor or 1.0)]
-        stack = torch.classes.eaglet.DecoderStack(ints, floats)
-        for layer in model.layers:
-            entry = _layer_weights(layer)
-            if entry is None:
-                return None
-            stack.add_layer(*entry)
-        return cls(stack, len(model.layers))
+        stack = _build(model.config, list(model.layers))
+        return cls(stack) if stack is not None else None
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
@@ -106,10 +129,27 @@ class FusedDecoderStack:
     ) -> list[torch.Tensor] | None:
         """[hidden after the last layer, then after each of ``capture_layers`` (ascending)], or
         None where the layer-by-layer path must run."""
-        if (not isinstance(backend, FusedCPUMLABackend) or hidden.dtype != torch.bfloat16
-                or hidden.shape[0] > PADDED_MAX_ROWS or torch.is_grad_enabled()):
+        inputs = _absorbed_inputs(backend, hidden, batch)
+        return self.stack.forward(hidden, cos, sin, *inputs, capture_layers) if inputs is not None else None
+
+
+class FusedMidlayer:
+    """An MLA EAGLE-3 draft's midlayer as a one-layer C++ stack (``Eagle3DecoderLayer.forward``'s kernels)."""
+
+    def __init__(self, stack: torch.ScriptObject) -> None:
+        self.stack = stack
+
+    @classmethod
+    def build(cls, draft: Eagle3Draft) -> FusedMidlayer | None:
+        if draft.config.kind != "mla":
             return None
-        inputs = backend.absorbed_inputs(batch)
-        if inputs is None:
-            return None
-        return self.stack.forward(hidden, cos, sin, *inputs, capture_layers)
+        stack = _build(draft.config.mla, [draft.midlayer])
+        return cls(stack) if stack is not None else None
+
+    def forward(
+        self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor | None:
+        """The midlayer's output, or None where ``Eagle3DecoderLayer.forward`` must run."""
+        inputs = _absorbed_inputs(backend, hidden, batch)
+        return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
 from eaglet.models.loader import checkpoint_files, load_weights, skip_init
+
+if TYPE_CHECKING:
+    from eaglet.kernels.decoder_stack import FusedMidlayer
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM", "DeepseekV3ForCausalLMEagle3")
@@ -357,6 +360,8 @@ class Eagle3Draft(nn.Module):
         # target_id = draft_id + d2t[draft_id]; t2d[target_id]: whether the draft vocabulary holds it.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        # The midlayer in one kernel call for the batches it takes (eaglet.kernels.use_cpu_kernels).
+        self.fused_midlayer: FusedMidlayer | None = None
 
     # ---- loading -------------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str:
@@ -470,7 +475,9 @@ class Eagle3Draft(nn.Module):
             )
         emb = batch.input_embeds if batch.input_embeds is not None else self.embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin_as(batch.positions, self.fc.weight.dtype)
-        hidden = self.midlayer(emb.to(hidden.dtype), hidden.to(self.fc.weight.dtype), cos, sin, batch, backend)
+        emb, hidden = emb.to(hidden.dtype), hidden.to(self.fc.weight.dtype)
+        fused = self.fused_midlayer.forward(emb, hidden, cos, sin, batch, backend) if self.fused_midlayer is not None else None
+        hidden = fused if fused is not None else self.midlayer(emb, hidden, cos, sin, batch, backend)
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
         lm_head = self._module("lm_head")
