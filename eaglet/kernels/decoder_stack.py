@@ -88,7 +88,7 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
 
 def _build(config: TextConfig, layers: list[nn.Module]) -> torch.ScriptObject | None:
     """A DecoderStack of ``layers``; None if one of them would not run on the AMX kernels."""
-    if not layers or any(p.dtype != torch.bfloat16 for layer in layers for p in layer.parameters()):
+    if not layers or any(layer.input_layernorm.weight.dtype != torch.bfloat16 for layer in layers):
         return None
     ints = [config.hidden_size, config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim, config.kv_lora_rank, config.q_lora_rank or 0, config.num_experts_per_tok or 0,
