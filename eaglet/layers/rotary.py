@@ -67,16 +67,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
         self.fused = False  # torch.ops.eaglet.rope_query_key (eaglet.kernels.use_cpu_kernels)
+        self._tables: dict[torch.dtype, torch.Tensor] = {}  # cos_sin_as's, per dtype
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        return self.cos_sin_as(positions, torch.float32)
 
     def cos_sin_as(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos_sin`` cast to the dtype of the tensors it rotates, once per forward rather than
-        in every layer (the same values ``forward`` would cast to)."""
-        cos, sin = self.cos_sin(positions)
-        return cos.to(dtype), sin.to(dtype)
+        """cos and sin of each position's angles (times the attention factor) in the dtype of the
+        tensors they rotate, looked up in a table of every position so far: one op per forward
+        instead of ten, and the same values for a position whichever batch it is in."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._tables.get(dtype)
+        if table is None or table.shape[0] < needed:
+            table = self._table(max(needed, 2 * (table.shape[0] if table is not None else 1024)), dtype)
+            self._tables[dtype] = table
+        cos, sin = table.index_select(0, positions.reshape(-1)).unbind(1)
+        return cos, sin
+
+    def _table(self, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
+        """[num_positions, 2, dim / 2]: cos and sin at positions 0 .. num_positions - 1."""
+        freqs = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq[None, :]
+        return torch.stack([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor], dim=1).to(dtype)
 
     def rotate_query_and_key(
         self, q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
