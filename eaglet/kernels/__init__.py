@@ -5,7 +5,8 @@ The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``rope_query_key``, ``
 over the paged latent cache) and, on CPUs with AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles),
 ``amx_swiglu`` and ``moe_routed_experts`` (all routed experts in one call). Each does in one call
 what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
-its batch.
+its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
+draft's midlayer) through those kernels in one call per forward (``decoder_stack.py``).
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
 ``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source and the torch
@@ -75,8 +76,9 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     """Switches the model to the kernels (they need ``available()``): RMSNorms, routers and rotary
     embeddings; on CPUs with AMX, every bfloat16 matrix that ``linear`` multiplies
     (``packable_weights``) gets its tile layout copy, and the routed experts and each SwiGLU run in
-    one call. Attention is the backend's (FusedCPUMLABackend). Returns how many modules and
-    matrices were switched."""
+    one call, and a DeepSeek-V3 model's layers (an MLA EAGLE-3 draft's midlayer) run as one
+    DecoderStack call wherever every matrix qualifies. Attention is the backend's
+    (FusedCPUMLABackend). Returns how many modules and matrices were switched."""
     from eaglet.kernels.decoder_stack import FusedDecoderStack, FusedMidlayer
     from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
     from eaglet.layers.mla import MLAAttention

@@ -8,7 +8,9 @@ SwiGLU, on the same inputs and in the same order, from C++: the same bits (tests
 It applies where that Python path would run the AMX kernels throughout: a bfloat16 model whose
 matrices all have tile copies, no autograd, at most PADDED_MAX_ROWS tokens, and a batch the fused
 backend attends in the absorbed form (decode, verify, draft extends). Other batches (prefill) take
-the layer-by-layer path.
+the layer-by-layer path. The stack holds the tile copies made when the kernels were switched on:
+unlike ``linear``, it does not notice a weight changed in place afterwards (inference never does;
+draft training runs under autograd, which takes the layer path).
 """
 
 from __future__ import annotations
