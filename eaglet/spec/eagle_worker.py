@@ -34,7 +34,7 @@ from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
-from eaglet.layers.sampler import shaped_probs, top_k_logprobs
+from eaglet.layers.sampler import greedy_tokens, shaped_probs, top_k_logprobs
 from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
@@ -48,7 +48,7 @@ class DraftState:
     """What the draft extend leaves for a request's next round (one row per request when batched)."""
 
     topk_tokens: torch.Tensor  # [k] target token ids proposed for the position after the root
-    topk_logprobs: torch.Tensor  # [k]
+    topk_logprobs: torch.Tensor | None  # [k] for tree scores; None with top-1 drafting, which has none
     hidden: torch.Tensor  # [H] draft hidden at the root's draft slot, fed back at step 1
 
 
@@ -141,10 +141,20 @@ class EagleWorker:
             input_embeds=embeds,
         )
         out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        top_logprobs, top_ids = top_k_logprobs(out.logits, self.spec.eagle_topk)
-        tokens = self.draft.to_target_ids(top_ids)
+        self._set_draft_states(requests, out.logits, out.hidden_out)
+
+    def _set_draft_states(self, requests: list[Request], logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Each request's proposals for its next round from the draft's logits at its root. Top-1
+        drafting needs only the argmax, so it skips the log_softmax over the draft vocabulary
+        (the argmax of the logits is that of their log-probabilities)."""
+        k = self.spec.eagle_topk
+        if k == 1:
+            tokens, logprobs = self.draft.to_target_ids(greedy_tokens(logits))[:, None], None
+        else:
+            logprobs, top_ids = top_k_logprobs(logits, k)
+            tokens = self.draft.to_target_ids(top_ids)
         for i, req in enumerate(requests):
-            req.draft_state = DraftState(tokens[i], top_logprobs[i], out.hidden_out[i])
+            req.draft_state = DraftState(tokens[i], logprobs[i] if logprobs is not None else None, hidden[i])
 
     # ---- plain decoding while speculation is off ------------------------------------------------
     @torch.inference_mode()
@@ -182,10 +192,8 @@ class EagleWorker:
         features = torch.stack([f for r in lagging for f in r.draft_pending_features])
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        top_logprobs, top_ids = top_k_logprobs(out.logits, self.spec.eagle_topk)
-        tokens = self.draft.to_target_ids(top_ids)
-        for i, req in enumerate(lagging):
-            req.draft_state = DraftState(tokens[i], top_logprobs[i], out.hidden_out[i])
+        self._set_draft_states(lagging, out.logits, out.hidden_out)
+        for req in lagging:
             req.draft_pending_features.clear()
 
     # ---- decode round --------------------------------------------------------------------------
@@ -274,7 +282,7 @@ class EagleWorker:
             step_batch = self._draft_step_batch(rows, prefix, tokens[-1][:, None], None, step, num_keys)
             with self._phase("draft"):
                 out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
-            tokens.append(self.draft.to_target_ids(top_k_logprobs(out.logits, 1)[1][:, 0]))
+            tokens.append(self.draft.to_target_ids(greedy_tokens(out.logits)))
             hidden = out.hidden_out
         n = len(tokens)
         index = torch.arange(n).expand(batch_size, n)
@@ -420,9 +428,6 @@ class EagleWorker:
         )
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
-        top_logprobs, top_ids = top_k_logprobs(out.logits, self.spec.eagle_topk)
-        tokens = self.draft.to_target_ids(top_ids)
+        self._set_draft_states(requests, out.logits, out.hidden_out)
         new_tokens = next_ids.tolist()
-        for i, req in enumerate(requests):
-            req.draft_state = DraftState(tokens[i], top_logprobs[i], out.hidden_out[i])
         return RoundResult([toks[: a + 1] for toks, a in zip(new_tokens, accepted_list)], accepted_list)
