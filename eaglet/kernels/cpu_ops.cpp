@@ -959,13 +959,13 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
   std::vector<float> gate_up(padded_rows * up_width), expert_out(padded_rows * down_width);
   const bool parallel = worth_threads(assigned, 2 * inter, hidden);
-  // out rows (width out_width) of every expert's rows of x (k_blocks tiles of k) times its weight
   // Work items are (active expert, column group), so the threads split the experts in use evenly.
   std::vector<int64_t> active;
   for (int64_t e = 0; e < experts; ++e) {
     if (count[e]) active.push_back(e);
   }
   const int64_t num_active = static_cast<int64_t>(active.size());
+  // out rows (width out_width) of every expert's rows of x (k_blocks tiles of k) times its weight
   auto run_experts = [&](const at::BFloat16* x, int64_t k_blocks, const at::BFloat16* w_base, int64_t w_stride, int64_t n_groups,
                          float* out, int64_t out_width) {
     at::parallel_for(0, num_active * n_groups, parallel ? 1 : num_active * n_groups, [&](int64_t begin, int64_t end) {
@@ -1010,7 +1010,6 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   }
   return out;
 }
-
 
 // The weights of one DeepSeek-V3 decoder layer in the forms the kernels above take (AMX tile
 // copies for every bfloat16 matrix), for DecoderStack.

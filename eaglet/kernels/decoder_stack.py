@@ -22,7 +22,7 @@ from torch import nn
 
 from eaglet.config import TextConfig
 from eaglet.layers.attention_backend import FusedCPUMLABackend
-from eaglet.layers.linear import AMX_PACKED, PADDED_MAX_ROWS
+from eaglet.layers.linear import PADDED_MAX_ROWS, amx_tiles
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.models.eagle3 import Eagle3DecoderLayer
@@ -34,11 +34,6 @@ if TYPE_CHECKING:
     from eaglet.models.eagle3 import Eagle3Draft
 
 
-def _tiles(weight: torch.Tensor) -> torch.Tensor | None:
-    packed = getattr(weight, AMX_PACKED, None)
-    return packed[0] if packed is not None and packed[1] == weight._version else None
-
-
 def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
     """The layer's weights by the roles DecoderStack.add_layer takes, or None where one of its
     matrices would not run on the AMX kernels."""
@@ -46,7 +41,7 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
     if not isinstance(attn, MLAAttention):
         return None
     weights = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-               "kv_a_norm": attn.kv_a_layernorm.weight, "o_proj": _tiles(attn.o_proj.weight)}
+               "kv_a_norm": attn.kv_a_layernorm.weight, "o_proj": amx_tiles(attn.o_proj.weight)}
     if isinstance(layer, Eagle3DecoderLayer):
         weights["hidden_norm"] = layer.hidden_norm.weight
         if not layer.hidden_norm.fused:
@@ -54,11 +49,11 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
     if attn.has_q_lora:
         if attn.qkv_a_weight is None:
             return None
-        weights |= {"first": _tiles(attn.qkv_a_weight), "q_proj": _tiles(attn.q_b_proj.weight),
+        weights |= {"first": amx_tiles(attn.qkv_a_weight), "q_proj": amx_tiles(attn.q_b_proj.weight),
                     "q_a_norm": attn.q_a_layernorm.weight}
         first_bias = attn.qkv_a_bias
     else:
-        weights |= {"first": _tiles(attn.kv_a_proj_with_mqa.weight), "q_proj": _tiles(attn.q_proj.weight)}
+        weights |= {"first": amx_tiles(attn.kv_a_proj_with_mqa.weight), "q_proj": amx_tiles(attn.q_proj.weight)}
         first_bias = attn.kv_a_proj_with_mqa.bias
     if attn.w_uk is None:
         return None
