@@ -32,6 +32,7 @@ along the hidden dimension, at every token (EAGLE-3 reads three of them).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -136,24 +137,30 @@ class ForwardBatch:
         if ids.shape[0] != total or out_cache_loc.shape[0] != total:
             raise ValueError(f"flat buffer holds {ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
         seq_lens_cpu = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
-        ext_lens = torch.tensor(extend_seq_lens, dtype=torch.long, device=device)
-        prefix_lens = torch.tensor(extend_prefix_lens, dtype=torch.long, device=device)
-        start_loc = torch.cumsum(ext_lens, 0) - ext_lens
+        start_loc_cpu = list(itertools.accumulate(extend_seq_lens, initial=0))[:-1]
+        last_token_cpu = [s + n - 1 for s, n in zip(start_loc_cpu, extend_seq_lens)]
+        # The per-request vectors in one host-to-tensor copy: rows of a [6, B] tensor.
+        per_request = torch.tensor(
+            [extend_seq_lens, extend_prefix_lens, start_loc_cpu, seq_lens_cpu, list(req_pool_indices), last_token_cpu],
+            dtype=torch.long,
+        ).view(6, len(extend_seq_lens)).to(device)
+        ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, last_tokens = per_request.unbind(0)
         if positions is None:
-            positions = torch.cat(
-                [torch.arange(p, p + n, dtype=torch.long) for p, n in zip(extend_prefix_lens, extend_seq_lens)]
+            positions = torch.tensor(
+                list(itertools.chain.from_iterable(range(p, p + n) for p, n in zip(extend_prefix_lens, extend_seq_lens))),
+                dtype=torch.long,
             ).to(device)
         if mode is None:
             mode = ForwardMode.DECODE if all(n == 1 for n in extend_seq_lens) else ForwardMode.EXTEND
         if logits_indices is None:
-            logits_indices = cls.last_token_indices(start_loc, ext_lens)
+            logits_indices = last_tokens
         return cls(
             mode=mode,
             input_ids=ids,
             positions=positions,
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.long),
-            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.long, device=device),
-            seq_lens=prefix_lens + ext_lens,
+            req_pool_indices=pool_indices,
+            seq_lens=seq_lens,
             extend_seq_lens=ext_lens,
             extend_prefix_lens=prefix_lens,
             extend_start_loc=start_loc,

@@ -78,14 +78,6 @@ class LatentKVPool:
         self.kv[:, dst] = self.kv[:, src]
 
 
-def _row_positions(first: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(i, position) for positions first[i] .. first[i] + counts[i] - 1 of every row i, flattened."""
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    row_of = torch.arange(len(counts)).repeat_interleave(counts_t)
-    starts = torch.cumsum(counts_t, 0) - counts_t
-    return row_of, torch.tensor(first, dtype=torch.long)[row_of] + torch.arange(int(counts_t.sum())) - starts[row_of]
-
-
 class KVCacheManager:
     """Owns the block allocator, the request-to-slots table and the pools of every model."""
 
@@ -151,45 +143,59 @@ class KVCacheManager:
         return self.grow_rows([row], [new_len])
 
     def grow_rows(self, rows: list[int], new_lens: list[int]) -> torch.Tensor:
-        """Extends each row to its new length, all in one tensor pass; returns the slots of every
-        row's new positions, concatenated in row order."""
+        """Extends each row to its new length; returns the slots of every row's new positions,
+        concatenated in row order. The slots are computed block by block in Python (a decode step
+        adds one position per row) and written to the table in one op."""
         old_lens = [self.row_len[row] for row in rows]
         if any(new < old for old, new in zip(old_lens, new_lens)):
             raise ValueError("grow_rows only grows rows; truncate shortens them")
         longest = max(new_lens, default=0)
         if longest > self.max_context_len:
             raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
-        for row, new_len in zip(rows, new_lens):
+        size, width = self.block_size, self.max_context_len
+        table_index: list[int] = []
+        slots: list[int] = []
+        for row, new in zip(rows, new_lens):
             blocks = self.row_blocks[row]
-            missing = self.blocks_needed(new_len) - len(blocks)
+            missing = self.blocks_needed(new) - len(blocks)
             if missing > 0:
                 blocks.extend(self.allocator.allocate(missing))
-        row_of, positions = _row_positions(old_lens, [new - old for old, new in zip(old_lens, new_lens)])
-        width = max((len(self.row_blocks[row]) for row in rows), default=0)
-        table = torch.tensor([self.row_blocks[row] + [0] * (width - len(self.row_blocks[row])) for row in rows],
-                             dtype=torch.long).view(len(rows), width)
-        slots = table[row_of, positions // self.block_size] * self.block_size + positions % self.block_size
-        self.req_to_token[torch.tensor(rows, dtype=torch.long)[row_of], positions] = slots.to(self.req_to_token.device)
-        for row, new_len in zip(rows, new_lens):
-            self.row_len[row] = new_len
-        return slots
+        for row, old, new in zip(rows, old_lens, new_lens):
+            if new == old:
+                continue
+            blocks = self.row_blocks[row]
+            table_index.extend(range(row * width + old, row * width + new))
+            for block_index in range(old // size, (new - 1) // size + 1):
+                base = blocks[block_index] * size
+                slots.extend(range(base + max(old - block_index * size, 0), base + min(new - block_index * size, size)))
+            self.row_len[row] = new
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        if slots:
+            self.req_to_token.view(-1)[torch.tensor(table_index, device=self.req_to_token.device)] = slots_t.to(
+                self.req_to_token.device
+            )
+        return slots_t
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
         self.truncate_rows([row], [new_len])
 
     def truncate_rows(self, rows: list[int], new_lens: list[int]) -> None:
-        """``truncate`` for several rows in one tensor pass."""
-        old_lens = [self.row_len[row] for row in rows]
+        """``truncate`` for several rows, with one table write."""
+        width = self.max_context_len
+        table_index: list[int] = []
         for row, new_len in zip(rows, new_lens):
             keep = self.blocks_needed(new_len)
             blocks = self.row_blocks[row]
             if len(blocks) > keep:
                 self.allocator.decref(blocks[keep:])
                 del blocks[keep:]
-            self.row_len[row] = min(self.row_len[row], new_len)
-        row_of, positions = _row_positions(new_lens, [max(0, old - new) for old, new in zip(old_lens, new_lens)])
-        self.req_to_token[torch.tensor(rows, dtype=torch.long)[row_of], positions] = 0
+            old_len = self.row_len[row]
+            if new_len < old_len:
+                table_index.extend(range(row * width + new_len, row * width + old_len))
+                self.row_len[row] = new_len
+        if table_index:
+            self.req_to_token.view(-1)[torch.tensor(table_index, device=self.req_to_token.device)] = 0
 
     def free_row(self, row: int) -> None:
         self.allocator.decref(self.row_blocks.pop(row))

@@ -53,6 +53,16 @@ class DraftState:
 
 
 @dataclass
+class RoundRows:
+    """A round's view of its requests' cache rows."""
+
+    rows: list[int]  # req_pool_idx per request
+    prefix: list[int]  # committed tokens per request (row index of the root's slot)
+    prefix_t: torch.Tensor  # [B] the same, as a tensor
+    slots: torch.Tensor  # [B, scratch_len] cache slots of row indices prefix .. prefix + scratch_len - 1
+
+
+@dataclass
 class RoundResult:
     new_tokens: list[list[int]]  # per request: accepted draft tokens + the bonus token
     num_accepted: list[int]
@@ -207,30 +217,35 @@ class EagleWorker:
         start = time.perf_counter()
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify"))
         self.catch_up(requests)
-        rows = torch.tensor([r.req_pool_idx for r in requests])
-        prefix = torch.tensor([r.num_cached_tokens for r in requests])
-        self.cache.grow_rows([r.req_pool_idx for r in requests], [r.num_cached_tokens + spec.scratch_len for r in requests])
+        round_rows = self._round_rows(requests)
         roots = torch.tensor([r.output_token_ids[-1] for r in requests])
-        tree = self._draft_tree(requests, rows, prefix, roots, num_steps, num_draft_tokens)
-        result, raw_logits, features = self._verify(requests, rows, prefix, tree)
-        round_result = self._commit(requests, rows, prefix, tree, result, raw_logits, features)
+        tree = self._draft_tree(requests, round_rows, roots, num_steps, num_draft_tokens)
+        result, raw_logits, features = self._verify(requests, round_rows, tree)
+        round_result = self._commit(requests, round_rows, tree, result, raw_logits, features)
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
         self.timer.add("bookkeeping", time.perf_counter() - start - model_seconds)
         self.timer.rounds += 1
         return round_result
 
+    def _round_rows(self, requests: list[Request]) -> RoundRows:
+        """Grows every request's row by the round's scratch and returns the round's row indices."""
+        rows = [r.req_pool_idx for r in requests]
+        prefix = [r.num_cached_tokens for r in requests]
+        scratch = self.spec.scratch_len
+        new_slots = self.cache.grow_rows(rows, [p + scratch for p in prefix])
+        if new_slots.shape[0] == len(rows) * scratch and all(self.cache.row_len[r] == p + scratch for r, p in zip(rows, prefix)):
+            slots = new_slots.view(len(rows), scratch)  # every row held exactly its committed tokens
+        else:
+            slots = self.cache.req_to_token[torch.tensor(rows)[:, None], torch.tensor(prefix)[:, None] + torch.arange(scratch)]
+        return RoundRows(rows, prefix, torch.tensor(prefix), slots)
+
     def _draft_tree(
-        self,
-        requests: list[Request],
-        rows: torch.Tensor,
-        prefix: torch.Tensor,
-        roots: torch.Tensor,
-        steps: int,
-        num_draft_tokens: int,
+        self, requests: list[Request], round_rows: RoundRows, roots: torch.Tensor, steps: int, num_draft_tokens: int
     ) -> DraftTree:
         k = self.spec.eagle_topk
         if k == 1:
-            return self._draft_chain(requests, rows, prefix, roots, min(steps, num_draft_tokens - 1))
+            return self._draft_chain(requests, round_rows, roots, min(steps, num_draft_tokens - 1))
+        prefix = round_rows.prefix_t
         batch_size = len(requests)
         recorder = CandidateRecorder()
         frontier_tokens = torch.stack([r.draft_state.topk_tokens for r in requests])  # [B, k]
@@ -245,8 +260,7 @@ class EagleWorker:
         for step in range(1, steps):
             own = (step - 1) * k + torch.arange(k)
             ancestry[:, torch.arange(k), own] = True
-            num_keys = int(prefix.max()) + step * k
-            step_batch = self._draft_step_batch(rows, prefix, frontier_tokens, ancestry, step, num_keys)
+            step_batch = self._draft_step_batch(round_rows, frontier_tokens, ancestry, step)
             with self._phase("draft"):
                 out = self.draft(
                     step_batch, self.draft_backend, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
@@ -269,17 +283,14 @@ class EagleWorker:
             ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
         return recorder.build_tree(roots, num_draft_tokens)
 
-    def _draft_chain(
-        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, roots: torch.Tensor, length: int
-    ) -> DraftTree:
+    def _draft_chain(self, requests: list[Request], round_rows: RoundRows, roots: torch.Tensor, length: int) -> DraftTree:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
         path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
         batch_size = len(requests)
         tokens = [roots, torch.stack([r.draft_state.topk_tokens for r in requests])[:, 0]][: length + 1]
         hidden = torch.stack([r.draft_state.hidden for r in requests])
         for step in range(1, length):
-            num_keys = int(prefix.max()) + step
-            step_batch = self._draft_step_batch(rows, prefix, tokens[-1][:, None], None, step, num_keys)
+            step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
             with self._phase("draft"):
                 out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
             tokens.append(self.draft.to_target_ids(greedy_tokens(out.logits)))
@@ -289,55 +300,52 @@ class EagleWorker:
         return DraftTree(tokens=torch.stack(tokens, dim=1), parents=index - 1, depths=index)
 
     def _draft_step_batch(
-        self,
-        rows: torch.Tensor,
-        prefix: torch.Tensor,
-        frontier_tokens: torch.Tensor,
-        ancestry: torch.Tensor | None,
-        step: int,
-        num_keys: int,
+        self, round_rows: RoundRows, frontier_tokens: torch.Tensor, ancestry: torch.Tensor | None, step: int
     ) -> ForwardBatch:
+        """Draft step ``step``'s batch: each request's frontier at scratch row indices
+        n + (step-1)*k .. n + step*k - 1, all at position n - 1 + step."""
         batch_size, k = frontier_tokens.shape
-        first_index = prefix + (step - 1) * k  # row index of this step's first frontier slot
-        slots = self.cache.req_to_token[rows[:, None], first_index[:, None] + torch.arange(k)]
+        prefix = round_rows.prefix_t
+        first = (step - 1) * k  # scratch index of this step's first frontier slot
         mask = None  # a chain's frontier token sees every row before it: the default causal mask
         if k > 1:
+            num_keys = max(round_rows.prefix) + step * k
             scratch = ancestry.shape[-1]
-            width = int(prefix.max()) + scratch
+            width = max(round_rows.prefix) + scratch
             mask = (torch.arange(width)[None, None, :] < prefix[:, None, None]).expand(batch_size, k, width).clone()
             columns = (prefix[:, None] + torch.arange(scratch))[:, None, :].expand(batch_size, k, scratch)
             mask.scatter_(2, columns, ancestry)
             mask = mask[:, :, :num_keys].reshape(batch_size * k, num_keys)
+        positions = prefix + (step - 1)
         return ForwardBatch.build(
             input_ids=frontier_tokens.reshape(-1),
-            req_pool_indices=rows.tolist(),
-            extend_prefix_lens=first_index.tolist(),
+            req_pool_indices=round_rows.rows,
+            extend_prefix_lens=[p + first for p in round_rows.prefix],
             extend_seq_lens=[k] * batch_size,
-            out_cache_loc=slots.reshape(-1),
-            positions=(prefix + step - 1).repeat_interleave(k),
+            out_cache_loc=round_rows.slots[:, first : first + k].reshape(-1),
+            positions=positions if k == 1 else positions.repeat_interleave(k),
             mode=ForwardMode.VERIFY,
             logits_indices=torch.arange(batch_size * k),
             custom_mask=mask,
         )
 
     def _verify(
-        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor, tree: DraftTree
+        self, requests: list[Request], round_rows: RoundRows, tree: DraftTree
     ) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
         batch_size, n = tree.tokens.shape
-        num_keys = int(prefix.max()) + n
-        slots = self.cache.req_to_token[rows[:, None], prefix[:, None] + torch.arange(n)]
+        prefix = round_rows.prefix_t
         batch = ForwardBatch.build(
             input_ids=tree.tokens.reshape(-1),
-            req_pool_indices=rows.tolist(),
-            extend_prefix_lens=prefix.tolist(),
+            req_pool_indices=round_rows.rows,
+            extend_prefix_lens=round_rows.prefix,
             extend_seq_lens=[n] * batch_size,
-            out_cache_loc=slots.reshape(-1),
+            out_cache_loc=round_rows.slots[:, :n].reshape(-1),
             positions=(prefix[:, None] + tree.depths).reshape(-1),
             mode=ForwardMode.VERIFY,
             logits_indices=torch.arange(batch_size * n),
             capture_layers=self.capture_layers,
             # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
-            custom_mask=tree_attention_mask(tree, prefix, num_keys) if self.spec.eagle_topk > 1 else None,
+            custom_mask=tree_attention_mask(tree, prefix, max(round_rows.prefix) + n) if self.spec.eagle_topk > 1 else None,
         )
         with self._phase("verify"):
             output = self.runner.model(batch, self.runner.backend)
@@ -383,51 +391,54 @@ class EagleWorker:
     def _commit(
         self,
         requests: list[Request],
-        rows: torch.Tensor,
-        prefix: torch.Tensor,
+        round_rows: RoundRows,
         tree: DraftTree,
         result: VerifyResult,
         raw_logits: torch.Tensor,
         features: torch.Tensor,
     ) -> RoundResult:
+        """Keeps each request's accepted path, then runs the draft extend over root + path. The
+        per-request lists are short (depth + 1 entries), so they are built in Python."""
         batch_size, n = tree.tokens.shape
-        accepted = result.num_accepted
-        depth = result.accepted_nodes.shape[1]
-        # Path through the tree including the root, and which of its entries are real.
-        path = torch.cat([torch.zeros(batch_size, 1, dtype=torch.long), result.accepted_nodes], dim=1)  # [B, D+1]
-        valid = torch.arange(depth + 1)[None, :] <= accepted[:, None]
-        # Move the target's entries of accepted nodes to row indices n+1 .. n+a (a no-op for a chain).
-        src = self.cache.req_to_token[rows[:, None], prefix[:, None] + path.clamp(min=0)][valid]
-        dst = self.cache.req_to_token[rows[:, None], prefix[:, None] + torch.arange(depth + 1)][valid]
-        moved = src != dst
-        if moved.any():
-            self.cache.target.copy_slots(src[moved], dst[moved])
-        accepted_list = accepted.tolist()
-        self.cache.truncate_rows([r.req_pool_idx for r in requests],
-                                 [r.num_cached_tokens + 1 + a for r, a in zip(requests, accepted_list)])
-        for req, a in zip(requests, accepted_list):
+        accepted = result.num_accepted.tolist()
+        nodes = result.accepted_nodes.tolist()
+        bonus = result.bonus_tokens.tolist()
+        tokens = tree.tokens.tolist()
+        scratch = round_rows.slots.shape[1]
+        # Per request: the path through the tree including the root (node indices), its tokens
+        # rotated (the accepted tokens then the bonus: the draft extend's ids and the new tokens).
+        paths = [[0] + row[:a] for row, a in zip(nodes, accepted)]
+        new_tokens = [[tokens[b][j] for j in path[1:]] + [bonus[b]] for b, path in enumerate(paths)]
+        # The target's entries of accepted nodes move to row indices n+1 .. n+a (none for a chain).
+        src = [b * scratch + j for b, path in enumerate(paths) for j in path]
+        dst = [b * scratch + i for b, path in enumerate(paths) for i in range(len(path))]
+        flat_slots = round_rows.slots.reshape(-1)
+        dst_slots = flat_slots[torch.tensor(dst)]
+        if src != dst:
+            moved = [i for i, (s, d) in enumerate(zip(src, dst)) if s != d]
+            moved_t = torch.tensor(moved)
+            self.cache.target.copy_slots(flat_slots[torch.tensor(src)][moved_t], dst_slots[moved_t])
+        self.cache.truncate_rows(round_rows.rows, [p + 1 + a for p, a in zip(round_rows.prefix, accepted)])
+        for req, a in zip(requests, accepted):
             req.num_cached_tokens += 1 + a
-
-        # Draft extend over root + accepted path: ids are the accepted tokens then the bonus.
-        path_tokens = tree.tokens.gather(1, path.clamp(min=0))  # [B, D+1], root first
-        next_ids = torch.cat([path_tokens[:, 1:], torch.zeros(batch_size, 1, dtype=torch.long)], dim=1)
-        next_ids.scatter_(1, accepted[:, None], result.bonus_tokens[:, None])
         if any(r.sampling_params.logprobs is not None for r in requests):
             # Logprobs of each emitted token come from the target's logits at its parent node.
-            parent_logits = raw_logits.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
-            record_logprobs(requests, parent_logits, next_ids.masked_fill(~valid, -1))
-        feature_rows = (torch.arange(batch_size)[:, None] * n + path.clamp(min=0))[valid]
+            depth = result.accepted_nodes.shape[1]
+            path_t = torch.tensor([path + [0] * (depth + 1 - len(path)) for path in paths])
+            emitted = torch.tensor([t + [-1] * (depth + 1 - len(t)) for t in new_tokens])
+            parent_logits = raw_logits.gather(1, path_t[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
+            record_logprobs(requests, parent_logits, emitted)
         batch = ForwardBatch.build(
-            input_ids=next_ids[valid],
-            req_pool_indices=rows.tolist(),
-            extend_prefix_lens=prefix.tolist(),
-            extend_seq_lens=[a + 1 for a in accepted_list],
-            out_cache_loc=dst,
-            positions=(prefix[:, None] + torch.arange(depth + 1))[valid],
+            input_ids=[t for row in new_tokens for t in row],
+            req_pool_indices=round_rows.rows,
+            extend_prefix_lens=round_rows.prefix,
+            extend_seq_lens=[a + 1 for a in accepted],
+            out_cache_loc=dst_slots,
+            positions=torch.tensor([p + i for p, path in zip(round_rows.prefix, paths) for i in range(len(path))]),
             mode=ForwardMode.EXTEND,
         )
+        feature_rows = torch.tensor([b * n + j for b, path in enumerate(paths) for j in path])
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
         self._set_draft_states(requests, out.logits, out.hidden_out)
-        new_tokens = next_ids.tolist()
-        return RoundResult([toks[: a + 1] for toks, a in zip(new_tokens, accepted_list)], accepted_list)
+        return RoundResult(new_tokens, accepted)
