@@ -377,14 +377,12 @@ class EagleWorker:
         if not any(r.sampling_params.needs_logits_processing for r in requests):
             return logits
         batch_size, n = tree.tokens.shape
-        ancestors = tree.ancestor_mask().tolist()
         tokens = tree.tokens.tolist()
-        depth_order = tree.depths.argsort(dim=1, stable=True).tolist()
         rows = []
-        for b, req in enumerate(requests):
-            for i in range(n):
-                path = [tokens[b][j] for j in depth_order[b] if j != 0 and ancestors[b][i][j]]
-                rows.append(LogitsRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids + path))
+        for b, (req, paths) in enumerate(zip(requests, tree.node_paths())):
+            for path in paths:
+                drafted = [tokens[b][j] for j in path if j != 0]
+                rows.append(LogitsRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids + drafted))
         flat = process_logits(logits.reshape(batch_size * n, -1), rows, self.eos_token_ids)
         return flat.view(batch_size, n, -1)
 

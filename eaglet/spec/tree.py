@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -25,15 +24,20 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.tokens.shape[1])
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """[B, N, N] bool: mask[b, i, j] is True when node j is node i or one of its ancestors."""
-        batch, n = self.tokens.shape
-        mask = torch.eye(n, dtype=torch.bool).expand(batch, n, n).clone()
-        node = torch.arange(n).expand(batch, n)
-        for _ in range(int(self.depths.max())):
-            node = torch.where(node >= 0, self.parents.gather(1, node.clamp(min=0)), node)  # one level up
-            mask |= F.one_hot(node.clamp(min=0), n).bool() & (node >= 0)[:, :, None]
-        return mask
+    def node_paths(self) -> list[list[list[int]]]:
+        """[B][N]: the nodes from the root down to node i (both included), walked up the parents
+        in Python: a tree has a few nodes per request."""
+        paths = []
+        for row in self.parents.tolist():
+            row_paths: list[list[int]] = []
+            for i in range(len(row)):
+                path, j = [], i
+                while j >= 0:
+                    path.append(j)
+                    j = row[j]
+                row_paths.append(path[::-1])
+            paths.append(row_paths)
+        return paths
 
 
 class CandidateRecorder:
@@ -92,8 +96,10 @@ def tree_attention_mask(tree: DraftTree, prefix_lens: torch.Tensor, num_keys: in
     Each node sees its request's whole committed prefix, its ancestors and itself.
     """
     batch, n = tree.tokens.shape
-    keys = torch.arange(num_keys)
-    mask = (keys[None, None, :] < prefix_lens[:, None, None]).expand(batch, n, num_keys).clone()
-    columns = (prefix_lens[:, None] + torch.arange(n)[None, :])[:, None, :].expand(batch, n, n)
-    mask.scatter_(2, columns, tree.ancestor_mask())
-    return mask.reshape(batch * n, num_keys)
+    mask = (torch.arange(num_keys)[None, None, :] < prefix_lens[:, None, None]).expand(batch, n, num_keys).contiguous()
+    prefix = prefix_lens.tolist()
+    columns = [
+        (b * n + i) * num_keys + prefix[b] + j for b, row in enumerate(tree.node_paths()) for i, path in enumerate(row) for j in path
+    ]
+    mask.view(-1)[torch.tensor(columns, dtype=torch.long)] = True
+    return mask.view(batch * n, num_keys)

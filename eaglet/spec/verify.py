@@ -67,47 +67,50 @@ class TreeIndex:
     depth: torch.Tensor  # [B, N] depth of each node (root 0; padding 0)
     children: torch.Tensor  # [B, N, K] k-th child (sibling order) of each node, -1 if none
     max_depth: int  # D: the largest depth over the batch
+    children_lists: list[list[list[int]]]  # [B][N]: the same children, as lists
 
 
 def build_tree_index(parents: torch.Tensor) -> TreeIndex:
-    """Validates ``parents`` and derives node depths and the per-node child table."""
+    """Validates ``parents`` and derives node depths and the per-node child table.
+
+    Trees hold a few nodes per request, so this runs over Python lists (one pass per request)
+    and converts the results once."""
     if parents.dim() != 2 or parents.shape[1] < 1:
         raise ValueError(f"parents must be [B, N] with N >= 1, got {tuple(parents.shape)}")
-    parents = parents.long()
     batch, n = parents.shape
+    valid: list[list[bool]] = []
+    depth: list[list[int]] = []
+    children: list[list[list[int]]] = []
+    for row in parents.tolist():
+        if row[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        row_valid, row_depth = [True] + [False] * (n - 1), [0] * n
+        row_children: list[list[int]] = [[] for _ in range(n)]
+        for node in range(1, n):
+            parent = row[node]
+            if parent >= node or parent < -1:
+                raise ValueError("every node's parent must be -1 or an earlier node")
+            if parent < 0:
+                continue  # padding
+            # A node whose parent is padding would be unreachable: reject it rather than guess.
+            if not row_valid[parent]:
+                raise ValueError("a node's parent is a padding node")
+            row_valid[node], row_depth[node] = True, row_depth[parent] + 1
+            row_children[parent].append(node)
+        valid.append(row_valid)
+        depth.append(row_depth)
+        children.append(row_children)
+    max_depth = max((max(row) for row in depth), default=0)
+    k = max((len(c) for row in children for c in row), default=0) or 1
+    table = [[c + [-1] * (k - len(c)) for c in row] for row in children]
     device = parents.device
-    if (parents[:, 0] != -1).any():
-        raise ValueError("node 0 must be the root (parent -1)")
-    index = torch.arange(n, device=device)
-    if (parents >= index).any() or (parents < -1).any():
-        raise ValueError("every node's parent must be -1 or an earlier node")
-    valid = parents >= 0
-    valid[:, 0] = True
-    # A node whose parent is padding would be unreachable: reject it rather than guess.
-    parent_valid = valid.gather(1, parents.clamp(min=0))
-    if (valid & ~parent_valid).any():
-        raise ValueError("a node's parent is a padding node")
-
-    parent_idx = parents.clamp(min=0)
-    depth = torch.zeros(batch, n, dtype=torch.long, device=device)
-    for _ in range(n):  # converges after max-depth + 1 rounds (parents precede children)
-        new_depth = torch.where(valid & (index > 0), depth.gather(1, parent_idx) + 1, 0)
-        if torch.equal(new_depth, depth):
-            break
-        depth = new_depth
-    max_depth = int(depth.max().item()) if depth.numel() else 0
-
-    # Sibling rank: number of earlier nodes with the same parent.
-    non_root = valid & (index > 0)
-    same_parent = (parents[:, :, None] == parents[:, None, :]) & non_root[:, :, None] & non_root[:, None, :]
-    earlier = index[:, None] < index[None, :]  # [i, j]: i before j
-    rank = (same_parent & earlier).sum(1)  # [B, N]
-    k = int(rank[non_root].max().item()) + 1 if non_root.any() else 1
-    children = torch.full((batch, n * k + 1), -1, dtype=torch.long, device=device)
-    slot = torch.where(non_root, parent_idx * k + rank, n * k)  # padding/root go to a dump slot
-    children.scatter_(1, slot, index.expand(batch, n).clone())
-    children = children[:, : n * k].reshape(batch, n, k)
-    return TreeIndex(valid=valid, depth=depth, children=children, max_depth=max_depth)
+    return TreeIndex(
+        valid=torch.tensor(valid, dtype=torch.bool, device=device).view(batch, n),
+        depth=torch.tensor(depth, dtype=torch.long, device=device).view(batch, n),
+        children=torch.tensor(table, dtype=torch.long, device=device).view(batch, n, k),
+        max_depth=max_depth,
+        children_lists=children,
+    )
 
 
 def _check_inputs(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, name: str) -> None:
@@ -161,25 +164,33 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
 
 
 def _verify_greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
-    """``verify_greedy`` for any tree, given the target's pick after each node."""
+    """``verify_greedy`` for any tree, given the target's pick after each node.
+
+    A tree holds a few nodes per request, so the walk runs over Python lists (a handful of tensor
+    ops would cost more): the accepted path is the deepest one whose every node's token is the
+    target's pick after its parent; among equally deep ones (only possible with duplicate sibling
+    tokens, whose paths then carry identical tokens) the one ending at the lowest node index."""
     tree = build_tree_index(parents)
-    batch, n = tokens.shape
-    index = torch.arange(n, device=tokens.device)
-    parent_idx = parents.clamp(min=0)
-    match = tree.valid & (index > 0) & (tokens == target.gather(1, parent_idx))
-    # on_path: every node from the root down to this one matches.
-    on_path = torch.zeros_like(match)
-    on_path[:, 0] = True
-    for _ in range(tree.max_depth):
-        on_path = (match & on_path.gather(1, parent_idx)) | (index == 0)
-    # Deepest node on a matching path; among equally deep ones (only possible with duplicate
-    # sibling tokens, whose paths then carry identical tokens) the lowest index.
-    score = torch.where(on_path, tree.depth * (n + 1) + (n - index), -1)
-    last = score.argmax(dim=1)
-    num = tree.depth.gather(1, last[:, None])[:, 0]
-    accepted = _path_to(last, num, parents, tree.max_depth)
-    bonus = target.gather(1, last[:, None])[:, 0]
-    return VerifyResult(accepted_nodes=accepted, num_accepted=num, bonus_tokens=bonus)
+    tokens_l, target_l = tokens.tolist(), target.tolist()
+    accepted: list[list[int]] = []
+    bonus: list[int] = []
+    for b, children in enumerate(tree.children_lists):
+        best: list[int] = []  # node indices below the root of the best path so far
+        stack: list[list[int]] = [[]]
+        while stack:
+            path = stack.pop()
+            if len(path) > len(best) or (len(path) == len(best) and path and path[-1] < best[-1]):
+                best = path
+            pick = target_l[b][path[-1] if path else 0]
+            stack.extend(path + [child] for child in children[path[-1] if path else 0] if tokens_l[b][child] == pick)
+        accepted.append(best + [-1] * (tree.max_depth - len(best)))
+        bonus.append(target_l[b][best[-1] if best else 0])
+    device = tokens.device
+    return VerifyResult(
+        accepted_nodes=torch.tensor(accepted, dtype=torch.long, device=device).view(len(accepted), tree.max_depth),
+        num_accepted=torch.tensor([tree.max_depth - row.count(-1) for row in accepted], dtype=torch.long, device=device),
+        bonus_tokens=torch.tensor(bonus, dtype=torch.long, device=device),
+    )
 
 
 def _draw_uniforms(valid: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
