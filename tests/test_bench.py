@@ -80,3 +80,15 @@ def test_plot_is_written(tmp_path):
     (ck,) = record["checkpoints"]
     (tree,) = [r for r in ck["rows"] if r["mode"] == "tree"]
     assert len(tree["per_position_acceptance"]) == 4
+
+
+def test_spec_shapes_are_configurable_and_recorded(tmp_path):
+    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain,chain", "--hf-batch-sizes", "",
+                             "--vllm-batch-sizes", "", "--no-roofline", "--chain-shape", "2,1,3")
+    assert code == 0
+    assert record["spec_shapes"]["chain"] == {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
+    (chain,) = [r for r in record["checkpoints"][0]["rows"] if r["mode"] == "chain"]
+    assert len(chain["per_position_acceptance"]) == 2 and 1.0 <= chain["accept_length"] <= 3.0
+    for bad in ("3,2,4", "3,1", "0,1,4"):
+        with pytest.raises(SystemExit, match="chain-shape"):
+            run_bench(tmp_path / bad, "--modes", "plain,chain", "--chain-shape", bad)

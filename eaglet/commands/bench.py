@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full: the ~72M-parameter DeepSeek-V3 / ~25M Kimi text models; large: a ~0.55B DeepSeek-V3 "
                         "whose decode step is bound by weight bandwidth; tiny: test-sized, for smoke runs")
     parser.add_argument("--alpha", type=float, default=1.0, help="echo dial of the random targets")
+    parser.add_argument("--chain-shape", default=None,
+                        help="the chain's num_steps,eagle_topk,num_draft_tokens (default 3,1,4; vLLM drafts num_steps)")
+    parser.add_argument("--tree-shape", default=None, help="the tree's num_steps,eagle_topk,num_draft_tokens (default 4,2,8)")
     parser.add_argument("--spec-adaptive", action="store_true",
                         help="let eaglet's adaptive policy shorten / skip drafting (default: fixed shapes)")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="buffer size of the bandwidth measurement")
