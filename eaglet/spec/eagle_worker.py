@@ -231,12 +231,11 @@ class EagleWorker:
         """Grows every request's row by the round's scratch and returns the round's row indices."""
         rows = [r.req_pool_idx for r in requests]
         prefix = [r.num_cached_tokens for r in requests]
+        if any(self.cache.row_len[row] != p for row, p in zip(rows, prefix)):
+            raise RuntimeError("a speculative round needs every cache row to hold exactly its request's committed tokens")
         scratch = self.spec.scratch_len
-        new_slots = self.cache.grow_rows(rows, [p + scratch for p in prefix])
-        if new_slots.shape[0] == len(rows) * scratch and all(self.cache.row_len[r] == p + scratch for r, p in zip(rows, prefix)):
-            slots = new_slots.view(len(rows), scratch)  # every row held exactly its committed tokens
-        else:
-            slots = self.cache.req_to_token[torch.tensor(rows)[:, None], torch.tensor(prefix)[:, None] + torch.arange(scratch)]
+        # The grown slots are row indices prefix .. prefix + scratch - 1 of every row, in row order.
+        slots = self.cache.grow_rows(rows, [p + scratch for p in prefix]).view(len(rows), scratch)
         return RoundRows(rows, prefix, torch.tensor(prefix), slots)
 
     def _draft_tree(
