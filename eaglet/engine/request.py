@@ -33,6 +33,8 @@ class Request:
     prompt_token_ids: list[int]  # placeholders already expanded
     sampling_params: SamplingParams
     mm_inputs: MultimodalInputs | None = None
+    # (start, end, content hash) of each image's placeholder run, hashed once for prefix-cache keys.
+    mm_spans: list[tuple[int, int, bytes]] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     req_pool_idx: int | None = None

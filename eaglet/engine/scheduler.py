@@ -151,8 +151,9 @@ class Scheduler:
     def block_keys(self, req: Request) -> list:
         """Prefix-cache keys of the request's full blocks. Each key holds the token after its block
         too (the draft's entry at a position depends on the next token), and images by content."""
-        spans = image_spans(req.mm_inputs) if req.mm_inputs is not None else ()
-        return block_keys(req.token_ids(0, req.num_tokens), self.cache.block_size, spans, lookahead=True)
+        if req.mm_spans is None:
+            req.mm_spans = image_spans(req.mm_inputs) if req.mm_inputs is not None else []
+        return block_keys(req.token_ids(0, req.num_tokens), self.cache.block_size, req.mm_spans, lookahead=True)
 
     def publish(self, req: Request) -> None:
         """Shares the request's committed full blocks (target and draft entries written) with others."""

@@ -1119,6 +1119,47 @@ struct DecoderStack : torch::CustomClassHolder {
     return layer_forward(l, 0, x, h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
   }
 
+  // Top-1 drafting of a speculative round in one call: `steps` midlayer forwards, step s (from 1)
+  // feeding each request its previous token and fed-back hidden at position prefix + s - 1, which
+  // is also the row index its draft entry is written to; it sees row indices < prefix + s (a chain's
+  // causal mask). Then the final norm, lm_head, the first maximal logit (argmax) and d2t, as
+  // Eagle3Draft.forward and EagleWorker._draft_chain do per step, with the same kernels on the same
+  // inputs. row_slots [B, >= max(prefix) + steps]: each request's cache slots by row index;
+  // rope_table [positions, 2, R / 2]: cos and sin per position. Returns target ids [B, steps].
+  at::Tensor draft_chain(at::Tensor tokens, at::Tensor h, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
+                         double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
+                         bool norm_output, at::Tensor kv, at::Tensor row_slots, at::Tensor prefix, int64_t steps) {
+    const int64_t batch = tokens.size(0);
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && prefix.sizes() == tokens.sizes() &&
+                    prefix.scalar_type() == at::kLong && d2t.scalar_type() == at::kLong,
+                "DecoderStack.draft_chain: int64 tokens [B], prefix [B] and d2t");
+    TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == batch && row_slots.scalar_type() == at::kLong,
+                "DecoderStack.draft_chain: int64 row_slots [B, S]");
+    TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2 && steps >= 1, "DecoderStack.draft_chain: rope_table [P, 2, R / 2]");
+    const at::Tensor prefix_c = prefix.contiguous();
+    const int64_t* pp = prefix_c.data_ptr<int64_t>();
+    const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
+    TORCH_CHECK(row_slots.size(1) >= max_prefix + steps && rope_table.size(0) >= max_prefix + steps,
+                "DecoderStack.draft_chain: row_slots or rope_table too short for ", steps, " steps");
+    const at::Tensor token_starts = at::arange(batch + 1, prefix_c.options());
+    std::vector<at::Tensor> drafted;
+    at::Tensor current = tokens;
+    for (int64_t s = 1; s <= steps; ++s) {
+      const at::Tensor positions = prefix_c + (s - 1);
+      const at::Tensor out_cache_loc = row_slots.gather(1, positions.unsqueeze(1)).squeeze(1);
+      const at::Tensor cos_sin = rope_table.index_select(0, positions);
+      const at::Tensor out = forward_eagle3(embed.index_select(0, current), h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
+                                            out_cache_loc, row_slots.narrow(1, 0, max_prefix + s), prefix_c + s, token_starts,
+                                            c10::nullopt);
+      const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
+      const at::Tensor draft_ids = amx_linear(normed, lm_head, vocab, lm_head_bias).to(at::kFloat).argmax(-1);
+      current = draft_ids + d2t.index_select(0, draft_ids);
+      drafted.push_back(current);
+      h = norm_output ? normed : out;
+    }
+    return at::stack(drafted, 1);
+  }
+
  private:
   void check_inputs(const at::Tensor& h, const at::Tensor& kv) const {
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kBFloat16, "DecoderStack: bfloat16 hidden [T, ", hidden, "]");
@@ -1165,7 +1206,8 @@ TORCH_LIBRARY(eaglet, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward)
-      .def("forward_eagle3", &DecoderStack::forward_eagle3);
+      .def("forward_eagle3", &DecoderStack::forward_eagle3)
+      .def("draft_chain", &DecoderStack::draft_chain);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");

@@ -150,3 +150,25 @@ class FusedMidlayer:
         """The midlayer's output, or None where ``Eagle3DecoderLayer.forward`` must run."""
         inputs = _absorbed_inputs(backend, hidden, batch)
         return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None
+
+    def draft_chain(
+        self, draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, backend: AttentionBackend,
+        row_slots: torch.Tensor, prefix: list[int], steps: int,
+    ) -> torch.Tensor | None:
+        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``): target ids
+        [B, steps], or None where the per-step Eagle3Draft.forward must run (it would not take the
+        AMX kernels throughout)."""
+        lm_head = draft.lm_head_module()
+        tiles = amx_tiles(lm_head.weight)
+        embed = draft.embed_weight()
+        dtype = torch.bfloat16
+        if (not isinstance(backend, FusedCPUMLABackend) or torch.is_grad_enabled() or tiles is None
+                or hidden.shape[0] > PADDED_MAX_ROWS or not draft.norm.fused
+                or any(t.dtype != dtype for t in (hidden, embed, draft.fc.weight, draft.norm.weight))
+                or (lm_head.bias is not None and lm_head.bias.dtype != dtype)):
+            return None
+        table = draft.rotary.table_as(max(prefix) + steps, dtype)
+        return self.stack.draft_chain(
+            tokens, hidden, embed, table, draft.norm.weight, draft.norm.eps, tiles, lm_head.weight.shape[0], lm_head.bias,
+            draft.d2t, draft.config.norm_output, backend.pool.kv, row_slots, torch.tensor(prefix), steps,
+        )

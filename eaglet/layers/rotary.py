@@ -77,12 +77,16 @@ class RotaryEmbedding(nn.Module):
         tensors they rotate, looked up in a table of every position so far: one op per forward
         instead of ten, and the same values for a position whichever batch it is in."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
-        table = self._tables.get(dtype)
-        if table is None or table.shape[0] < needed:
-            table = self._table(max(needed, 2 * (table.shape[0] if table is not None else 1024)), dtype)
-            self._tables[dtype] = table
-        cos, sin = table.index_select(0, positions.reshape(-1)).unbind(1)
+        cos, sin = self.table_as(needed, dtype).index_select(0, positions.reshape(-1)).unbind(1)
         return cos, sin
+
+    def table_as(self, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
+        """cos_sin_as's table in ``dtype`` ([P, 2, dim / 2], P >= num_positions), grown by doubling."""
+        table = self._tables.get(dtype)
+        if table is None or table.shape[0] < num_positions:
+            table = self._table(max(num_positions, 2 * (table.shape[0] if table is not None else 1024)), dtype)
+            self._tables[dtype] = table
+        return table
 
     def _table(self, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
         """[num_positions, 2, dim / 2]: cos and sin at positions 0 .. num_positions - 1."""

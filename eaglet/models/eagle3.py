@@ -423,6 +423,12 @@ class Eagle3Draft(nn.Module):
         """Token embeddings as the draft sees them (its own table or the target's)."""
         return self._module("embed_tokens")(input_ids)
 
+    def embed_weight(self) -> torch.Tensor:
+        return self._module("embed_tokens").weight
+
+    def lm_head_module(self) -> nn.Linear:
+        return self._module("lm_head")
+
     def _module(self, name: str) -> nn.Module:
         own = getattr(self, name)
         if own is not None:
@@ -480,7 +486,7 @@ class Eagle3Draft(nn.Module):
         hidden = fused if fused is not None else self.midlayer(emb, hidden, cos, sin, batch, backend)
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
-        lm_head = self._module("lm_head")
+        lm_head = self.lm_head_module()
         logits = linear(normed, lm_head.weight, lm_head.bias).float()
         return DraftOutput(logits=logits, hidden_out=normed if self.config.norm_output else rows)
 

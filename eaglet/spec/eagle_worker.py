@@ -288,7 +288,17 @@ class EagleWorker:
         batch_size = len(requests)
         tokens = [roots, torch.stack([r.draft_state.topk_tokens for r in requests])[:, 0]][: length + 1]
         hidden = torch.stack([r.draft_state.hidden for r in requests])
-        for step in range(1, length):
+        fused = self.draft.fused_midlayer
+        if length > 1 and fused is not None:
+            # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
+            row_slots = self.cache.req_to_token[torch.tensor(round_rows.rows), : max(round_rows.prefix) + length - 1]
+            with self._phase("draft"):
+                drafted = fused.draft_chain(
+                    self.draft, tokens[-1], hidden, self.draft_backend, row_slots, round_rows.prefix, length - 1
+                )
+            if drafted is not None:
+                tokens += drafted.unbind(1)
+        for step in range(len(tokens) - 1, length):
             step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
             with self._phase("draft"):
                 out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
