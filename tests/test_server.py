@@ -325,7 +325,15 @@ def test_concurrent_streams_with_disconnects(spec_server) -> None:
     assert spec_server.engine.requests == {}
 
 
-def test_non_streaming_client_that_leaves_is_aborted(spec_server) -> None:
+def test_non_streaming_client_that_leaves_is_aborted(spec_server, monkeypatch) -> None:
+    # Each engine step is held back so the answer cannot be done before the client leaves, however fast decoding is.
+    engine_step = spec_server.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return engine_step()
+
+    monkeypatch.setattr(spec_server.engine, "step", slow_step)
     before = spec_server.metrics()
     body = _body(messages=user("A long answer, please."), max_tokens=220, n=4, ignore_eos=True, temperature=0)
     with pytest.raises(httpx.ReadTimeout):

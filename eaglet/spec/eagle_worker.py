@@ -163,8 +163,9 @@ class EagleWorker:
         else:
             logprobs, top_ids = top_k_logprobs(logits, k)
             tokens = self.draft.to_target_ids(top_ids)
-        for i, req in enumerate(requests):
-            req.draft_state = DraftState(tokens[i], logprobs[i] if logprobs is not None else None, hidden[i])
+        per_request_logprobs = logprobs.unbind(0) if logprobs is not None else [None] * len(requests)
+        for req, row_tokens, row_logprobs, row_hidden in zip(requests, tokens.unbind(0), per_request_logprobs, hidden.unbind(0)):
+            req.draft_state = DraftState(row_tokens, row_logprobs, row_hidden)
 
     # ---- plain decoding while speculation is off ------------------------------------------------
     @torch.inference_mode()
