@@ -322,8 +322,8 @@ def test_mla_attention_matches_pytorch(name, dtype, amx):
         got = FusedCPUMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
-    if amx:  # o rounded to bfloat16 before W_UV: a bfloat16 step more
-        tolerance = {"rtol": 2e-2, "atol": 1e-2}
+    if amx:  # q_latent, the probabilities and o rounded to bfloat16 for the tiles: three bfloat16 steps more
+        tolerance = {"rtol": 2e-2, "atol": 1.5e-2}
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 

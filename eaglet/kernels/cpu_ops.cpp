@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -39,6 +40,17 @@ void configure_tiles();
 void release_tiles();
 void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
                float* out, int64_t out_stride);
+void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
+                    int64_t qdim, float* row_scores);
+void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
+                    int64_t latent, float* const* out_rows);
+
+// v = n zero bfloat16 values, by memset (vector::assign fills BFloat16 element by element, several
+// times slower, which shows in a decode step's small buffers).
+inline void assign_zeros(std::vector<at::BFloat16>& v, int64_t n) {
+  v.resize(n);
+  std::memset(v.data(), 0, n * sizeof(at::BFloat16));
+}
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
@@ -409,7 +421,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       configure_tiles();
       std::vector<at::BFloat16> x_pad;
       for (int64_t h = begin; h < end; ++h) {
-        x_pad.assign((tokens + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
+        assign_zeros(x_pad, (tokens + kTileRows - 1) / kTileRows * kTileRows * kp);
         for (int64_t t = 0; t < tokens; ++t) fill_row(t, h, x_pad.data() + t * kp);
         for (int64_t g = 0; g < n / kGroupN; ++g) {
           amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
@@ -448,7 +460,11 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   int64_t total_keys = 0;
   for (int64_t b = 0; b < requests; ++b) total_keys += lens[b] * (starts[b + 1] - starts[b]);
   const bool parallel_requests = total_keys * heads * 2 * qdim >= kParallelWork;
+  // With the AMX projections and a bfloat16 cache, q @ k^T and p @ c_kv run on tiles too, from
+  // queries and probabilities rounded to bfloat16 (as the decompressed form's matmuls take them).
+  const bool amx_attention = amx_projections && std::is_same_v<KV, at::BFloat16> && qdim % kTileK == 0 && latent % kGroupN == 0;
   at::parallel_for(0, requests * groups, parallel_requests ? 1 : requests * groups, [&](int64_t begin, int64_t end) {
+    if (amx_attention) configure_tiles();
     std::vector<float> scores, row_scores;
     std::vector<const float*> rows, prob_rows;
     std::vector<float*> out_rows;
@@ -474,8 +490,11 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
           prob_rows[r] = scores.data() + r * keys;
         }
       }
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+        if (amx_attention) amx_key_scores(rows.data(), num_rows, keys_of.data(), keys, qdim, row_scores.data());
+      }
       // Rows in blocks of eight against every key: a block's queries stay in L1 while keys stream.
-      for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
+      for (int64_t r0 = 0; !amx_attention && r0 < num_rows; r0 += 8) {
         const int64_t block = std::min<int64_t>(8, num_rows - r0);
         for (int64_t s = 0; s < keys; ++s) {
           if (r0 == 0 && s + kPrefetchKeys < keys) prefetch_row(keys_of[s + kPrefetchKeys], qdim * sizeof(KV));
@@ -511,8 +530,12 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
         const float inv_total = 1.0f / total;
         for (int64_t s = 0; s < keys; ++s) p[s] *= inv_total;
       }
-      combine_all_rows(out_rows.data(), prob_rows.data(), keys_of.data(), num_rows, keys, latent);
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+        if (amx_attention) amx_value_sums(scores.data(), num_rows, keys_of.data(), keys, latent, out_rows.data());
+      }
+      if (!amx_attention) combine_all_rows(out_rows.data(), prob_rows.data(), keys_of.data(), num_rows, keys, latent);
     }
+    if (amx_attention) release_tiles();
   });
 
   if (amx_projections) {
@@ -758,11 +781,122 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
     for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], sizeof(c[r]));
   }
 }
+
+// row_scores[r * keys + s] = bfloat16(rows[r]) . key s, for r < num_rows, s < keys, on tiles: the
+// keys are the A rows (16 per tile, read straight from the cache where a block holds them, else
+// copied), the queries a packed B block of 16 columns. A score is one tile-product chain over qdim
+// in order, the same whatever the other rows and keys are. Tiles must be configured on this thread.
+void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
+                    int64_t qdim, float* row_scores) {
+  const int64_t k_blocks = qdim / kTileK, q_blocks = (num_rows + kTileN - 1) / kTileN;
+  constexpr int64_t block_elems = kTileK * kTileN;
+  thread_local std::vector<at::BFloat16> q_packed, key_rows;
+  assign_zeros(q_packed, q_blocks * k_blocks * block_elems);
+  key_rows.resize(kTileRows * qdim);
+  // Block (qb, kb) holds 16 (k pair) x 16 (query) x 2: query r's pair p of block kb is dword
+  // p * 16 + r % 16 of that block.
+  const __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(kTileN));
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      const float* x = rows[r] + kb * kTileK;
+      const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + kTileN), _mm512_loadu_ps(x));
+      int32_t* block = reinterpret_cast<int32_t*>(q_packed.data() + ((r / kTileN) * k_blocks + kb) * block_elems);
+      _mm512_i32scatter_epi32(block + r % kTileN, pair_offsets, pairs, 4);
+    }
+  }
+  alignas(64) float tile_out[kTileRows][kGroupN];
+  for (int64_t s0 = 0; s0 < keys; s0 += kTileRows) {
+    const int64_t chunk = std::min(kTileRows, keys - s0);
+    bool in_one_run = chunk == kTileRows;
+    for (int64_t i = 1; in_one_run && i < chunk; ++i) in_one_run = keys_of[s0 + i] == keys_of[s0] + i * qdim;
+    const at::BFloat16* a = keys_of[s0];
+    if (!in_one_run) {
+      for (int64_t i = 0; i < chunk; ++i) std::memcpy(key_rows.data() + i * qdim, keys_of[s0 + i], qdim * sizeof(at::BFloat16));
+      std::memset(key_rows.data() + chunk * qdim, 0, (kTileRows - chunk) * qdim * sizeof(at::BFloat16));
+      a = key_rows.data();
+    }
+    for (int64_t qg = 0; qg < q_blocks; qg += 4) {
+      const int64_t nq = std::min<int64_t>(4, q_blocks - qg);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        _tile_loadd(4, a + kb * kTileK, qdim * 2);
+        const at::BFloat16* b = q_packed.data() + (qg * k_blocks + kb) * block_elems;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nq > 1) {
+          _tile_loadd(6, b + k_blocks * block_elems, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nq > 2) {
+          _tile_loadd(7, b + 2 * k_blocks * block_elems, 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nq > 3) {
+          _tile_loadd(5, b + 3 * k_blocks * block_elems, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, &tile_out[0][0], kGroupN * 4);
+      _tile_stored(1, &tile_out[0][16], kGroupN * 4);
+      _tile_stored(2, &tile_out[0][32], kGroupN * 4);
+      _tile_stored(3, &tile_out[0][48], kGroupN * 4);
+      const int64_t r_end = std::min(num_rows, (qg + nq) * kTileN);
+      for (int64_t r = qg * kTileN; r < r_end; ++r) {
+        float* dst = row_scores + r * keys + s0;
+        for (int64_t i = 0; i < chunk; ++i) dst[i] = tile_out[i][r - qg * kTileN];
+      }
+    }
+  }
+}
+
+// out_rows[r][0:latent] = sum over keys s of bfloat16(probs[r * keys + s]) * key s's first latent
+// values, on tiles: the probabilities are the A rows, the keys' latents packed as B blocks of 32 keys
+// (k) x 16 latent columns, zero past the last key. Tiles must be configured on this thread.
+void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
+                    int64_t latent, float* const* out_rows) {
+  const int64_t k_blocks = (keys + kTileK - 1) / kTileK, kp = k_blocks * kTileK, n_blocks = latent / kTileN;
+  constexpr int64_t block_elems = kTileK * kTileN;
+  thread_local std::vector<at::BFloat16> p_pad, v_packed, zeros;
+  thread_local std::vector<float> c;
+  assign_zeros(p_pad, (num_rows + kTileRows - 1) / kTileRows * kTileRows * kp);
+  for (int64_t r = 0; r < num_rows; ++r) store_bf16(p_pad.data() + r * kp, probs + r * keys, nullptr, keys);
+  assign_zeros(zeros, latent);
+  v_packed.resize(n_blocks * k_blocks * block_elems);
+  // Row `pair` of block (nb, kb) interleaves keys 2 * pair and 2 * pair + 1 of the k block over the
+  // block's 16 latent columns.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    for (int64_t pair = 0; pair < kTileK / 2; ++pair) {
+      const int64_t s = kb * kTileK + 2 * pair;
+      const at::BFloat16* v0 = s < keys ? keys_of[s] : zeros.data();
+      const at::BFloat16* v1 = s + 1 < keys ? keys_of[s + 1] : zeros.data();
+      for (int64_t nb = 0; nb < n_blocks; ++nb) {
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + nb * kTileN))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + nb * kTileN)), 1);
+        _mm512_storeu_si512(v_packed.data() + ((nb * k_blocks + kb) * (kTileK / 2) + pair) * 2 * kTileN,
+                            _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+  }
+  c.resize(num_rows * kGroupN);
+  for (int64_t g = 0; g < n_blocks / 4; ++g) {
+    amx_group(p_pad.data(), num_rows, kp, v_packed.data() + g * 4 * k_blocks * block_elems, k_blocks, c.data(), kGroupN);
+    for (int64_t r = 0; r < num_rows; ++r) std::memcpy(out_rows[r] + g * kGroupN, c.data() + r * kGroupN, kGroupN * sizeof(float));
+  }
+}
 #else
 constexpr bool kAmx = false;
 bool amx_permitted() { return false; }
 void configure_tiles() {}
 void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t) {}
+void amx_key_scores(const float* const*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float*) {}
+void amx_value_sums(const float*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float* const*) {}
 void release_tiles() {}
 #endif
 
@@ -799,7 +933,7 @@ void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* wh
 // x's rows zero-padded to whole tiles ([ceil(rows / 16) * 16, k_blocks * 32]) in a buffer of this thread.
 const at::BFloat16* padded_tiles(const at::Tensor& x, int64_t k_blocks, std::vector<at::BFloat16>& buffer) {
   const int64_t rows = x.size(0), k = x.size(1), kp = k_blocks * kTileK;
-  buffer.assign((rows + kTileRows - 1) / kTileRows * kTileRows * kp, at::BFloat16(0.0f));
+  assign_zeros(buffer, (rows + kTileRows - 1) / kTileRows * kTileRows * kp);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const int64_t row_stride = x.stride(0);
   for (int64_t r = 0; r < rows; ++r) std::memcpy(buffer.data() + r * kp, xp + r * row_stride, k * sizeof(at::BFloat16));
