@@ -324,19 +324,21 @@ class Engine:
         Penalties, logit bias and min_tokens shape the logits first; logprobs are recorded from
         the raw logits for requests that asked for them.
         """
-        rows = rows if rows is not None else [True] * len(requests)
-        tokens = torch.full((len(requests),), -1, dtype=torch.long)
-        index = [i for i, needed in enumerate(rows) if needed]
+        index = list(range(len(requests))) if rows is None else [i for i, needed in enumerate(rows) if needed]
         if not index:
-            return tokens
-        chosen = [requests[i] for i in index]
-        raw = logits if len(index) == len(requests) else logits[index]
+            return torch.full((len(requests),), -1, dtype=torch.long)
+        every_row = len(index) == len(requests)
+        chosen = requests if every_row else [requests[i] for i in index]
+        raw = logits if every_row else logits[index]
         processed = process_logits(
             raw, [LogitsRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids) for r in chosen], self.eos_token_ids
         )
         picked = sample(processed, [r.sampling_params for r in chosen], [r.generator for r in chosen])
-        tokens[index] = picked
         record_logprobs(chosen, raw, picked[:, None])
+        if every_row:
+            return picked
+        tokens = torch.full((len(requests),), -1, dtype=torch.long)
+        tokens[index] = picked
         return tokens
 
     def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> None:
