@@ -39,7 +39,7 @@ void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* wh
 void configure_tiles();
 void release_tiles();
 void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
-               float* out, int64_t out_stride);
+               float* out, int64_t out_stride, int64_t n_blocks = 4);
 void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
                     int64_t qdim, float* row_scores);
 void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
@@ -747,12 +747,12 @@ void configure_tiles() {
 
 void release_tiles() { _tile_release(); }
 
-// out[r][0:64] (row stride out_stride) = x_pad rows r < m against one group of four 16-column
-// weight blocks, in float32. x_pad holds whole tiles: ceil(m / 16) * 16 rows of kp = k_blocks * 32
-// values, zero beyond the real ones. Tiles must be configured on this thread. Each output is one
-// tile-product chain in k order, the same for any m.
+// out[r][0:16 * n_blocks] (row stride out_stride) = x_pad rows r < m against the first n_blocks
+// (1-4) of one group of four 16-column weight blocks, in float32. x_pad holds whole tiles:
+// ceil(m / 16) * 16 rows of kp = k_blocks * 32 values, zero beyond the real ones. Tiles must be
+// configured on this thread. Each output is one tile-product chain in k order, the same for any m.
 void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
-               float* out, int64_t out_stride) {
+               float* out, int64_t out_stride, int64_t n_blocks) {
   const int64_t block_elems = kTileK * kTileN, w_step = k_blocks * block_elems;
   alignas(64) float c[kTileRows][kGroupN];
   for (int64_t mb = 0; mb * kTileRows < m; ++mb) {
@@ -766,19 +766,25 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
       const at::BFloat16* wb = w_group + kb * block_elems;
       _tile_loadd(5, wb, 64);
       _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, wb + w_step, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, wb + 2 * w_step, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, wb + 3 * w_step, 64);
-      _tile_dpbf16ps(3, 4, 5);
+      if (n_blocks > 1) {
+        _tile_loadd(6, wb + w_step, 64);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (n_blocks > 2) {
+        _tile_loadd(7, wb + 2 * w_step, 64);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (n_blocks > 3) {
+        _tile_loadd(5, wb + 3 * w_step, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
     }
     _tile_stored(0, &c[0][0], kGroupN * 4);
     _tile_stored(1, &c[0][16], kGroupN * 4);
     _tile_stored(2, &c[0][32], kGroupN * 4);
     _tile_stored(3, &c[0][48], kGroupN * 4);
     const int64_t rows = std::min(kTileRows, m - mb * kTileRows);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], sizeof(c[r]));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], n_blocks * kTileN * sizeof(float));
   }
 }
 
@@ -818,32 +824,7 @@ void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat
     }
     for (int64_t qg = 0; qg < q_blocks; qg += 4) {
       const int64_t nq = std::min<int64_t>(4, q_blocks - qg);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < k_blocks; ++kb) {
-        _tile_loadd(4, a + kb * kTileK, qdim * 2);
-        const at::BFloat16* b = q_packed.data() + (qg * k_blocks + kb) * block_elems;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (nq > 1) {
-          _tile_loadd(6, b + k_blocks * block_elems, 64);
-          _tile_dpbf16ps(1, 4, 6);
-        }
-        if (nq > 2) {
-          _tile_loadd(7, b + 2 * k_blocks * block_elems, 64);
-          _tile_dpbf16ps(2, 4, 7);
-        }
-        if (nq > 3) {
-          _tile_loadd(5, b + 3 * k_blocks * block_elems, 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
-      }
-      _tile_stored(0, &tile_out[0][0], kGroupN * 4);
-      _tile_stored(1, &tile_out[0][16], kGroupN * 4);
-      _tile_stored(2, &tile_out[0][32], kGroupN * 4);
-      _tile_stored(3, &tile_out[0][48], kGroupN * 4);
+      amx_group(a, chunk, qdim, q_packed.data() + qg * k_blocks * block_elems, k_blocks, &tile_out[0][0], kGroupN, nq);
       const int64_t r_end = std::min(num_rows, (qg + nq) * kTileN);
       for (int64_t r = qg * kTileN; r < r_end; ++r) {
         float* dst = row_scores + r * keys + s0;
@@ -894,7 +875,7 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
 constexpr bool kAmx = false;
 bool amx_permitted() { return false; }
 void configure_tiles() {}
-void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t) {}
+void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t, int64_t) {}
 void amx_key_scores(const float* const*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float*) {}
 void amx_value_sums(const float*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float* const*) {}
 void release_tiles() {}
