@@ -58,11 +58,13 @@ import torch  # noqa: E402
 
 import bench_decode  # noqa: E402
 
-SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8)}  # defaults: (num_steps, eagle_topk, num_draft_tokens)
+# Defaults: (num_steps, eagle_topk, num_draft_tokens). ``adaptive`` is the deepest shape the adaptive
+# policy may draft; it picks the depth per batch size (eaglet.spec.policy), the engine's default.
+SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8), "adaptive": (7, 1, 8)}
 
 
 def spec_shapes(args) -> dict[str, tuple[int, int, int]]:
-    """The chain and tree shapes of this run (--chain-shape / --tree-shape, else SPEC_SHAPES)."""
+    """The speculative shapes of this run (--chain-shape / --tree-shape / --adaptive-shape, else SPEC_SHAPES)."""
     shapes = dict(SPEC_SHAPES)
     for mode in shapes:
         text = getattr(args, f"{mode}_shape", None)
@@ -171,6 +173,8 @@ def make_prompts(ckpt: dict, llm, batch: int, prompt_len: int) -> list:
 
 
 def load_eaglet(ckpt: dict, mode: str, adaptive: bool, shape: tuple[int, int, int] | None = None):
+    """An LLM for ``mode``; speculative modes draft a fixed shape unless ``adaptive`` (always for
+    the ``adaptive`` mode)."""
     from eaglet import LLM
     from eaglet.engine.engine import EngineConfig
 
@@ -181,7 +185,7 @@ def load_eaglet(ckpt: dict, mode: str, adaptive: bool, shape: tuple[int, int, in
                       speculative_num_steps=steps, speculative_eagle_topk=topk,
                       speculative_num_draft_tokens=draft_tokens)
         if "speculative_adaptive" in {f.name for f in fields(EngineConfig)}:
-            kwargs["speculative_adaptive"] = adaptive
+            kwargs["speculative_adaptive"] = adaptive or mode == "adaptive"
     return LLM(model=str(ckpt["target"]), **kwargs)
 
 
@@ -227,7 +231,10 @@ def run_eaglet(llm, prompts: list, new_tokens: int, ignore_eos: bool = True) -> 
             (a * after["num_verify_steps"] - b * before["num_verify_steps"]) / max(1, verify)
             for a, b in zip(after["per_position_acceptance_rate"], before["per_position_acceptance_rate"])
         ]
+        steps = [a - b for a, b in zip(after["policy"]["decode_steps_per_draft_depth"],
+                                       before["policy"]["decode_steps_per_draft_depth"])]
         run.update(accept_length=(accepted + verify) / max(1, verify), per_position_acceptance=per_position,
+                   decode_steps_per_draft_depth=steps,
                    verify_steps=verify, phase_share=worker.timer.shares(),
                    ms_per_round=1e3 * sum(worker.timer.seconds.values()) / max(1, worker.timer.rounds))
     return run
@@ -326,6 +333,8 @@ def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
                                           for k in range(positions)]
         row["phase_share"] = {p: statistics.median(r["phase_share"][p] for r in runs) for p in runs[0]["phase_share"]}
         row["ms_per_round"] = _median(runs, "ms_per_round")
+        # Decode steps per draft depth (0 = plain), all timed runs together: what the adaptive policy chose.
+        row["decode_steps_per_draft_depth"] = [sum(c) for c in zip(*(r["decode_steps_per_draft_depth"] for r in runs))]
     return row
 
 
@@ -425,7 +434,8 @@ def add_ratios(rows: list[dict]) -> None:
         if row["engine"] != "eaglet":
             continue
         for peer in ("transformers", "vllm"):
-            other = by_key.get((peer, row["mode"], row["batch"])) or by_key.get((peer, "plain", row["batch"]))
+            mode = "chain" if row["mode"] == "adaptive" else row["mode"]  # vLLM's EAGLE-3 drafts a chain
+            other = by_key.get((peer, mode, row["batch"])) or by_key.get((peer, "plain", row["batch"]))
             if other is not None:
                 row[f"over_{peer}"] = row["tokens_per_s"] / other["tokens_per_s"]
                 row[f"over_{peer}_mode"] = other["mode"]
@@ -435,7 +445,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = (f"{'checkpoint':<14} {'engine':<12} {'mode':<6} {'B':>3} | {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} | "
+HEADER = (f"{'checkpoint':<14} {'engine':<12} {'mode':<8} {'B':>3} | {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} | "
           f"{'accept':>6} {'bookkeep':>8} | {'/plain':>6} {'/HF':>6} {'/vLLM':>6} | {'GB/s':>6} {'/floor':>6}")
 
 
@@ -443,7 +453,7 @@ def _row_line(name: str, r: dict) -> str:
     roof = r.get("roofline", {})
     share = r.get("phase_share", {})
     own_plain = r.get(f"over_{r['engine']}_plain")
-    return (f"{name:<14} {r['engine']:<12} {r['mode']:<6} {r['batch']:>3} | {r['tokens_per_s']:>8.1f} "
+    return (f"{name:<14} {r['engine']:<12} {r['mode']:<8} {r['batch']:>3} | {r['tokens_per_s']:>8.1f} "
             f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.2f} | {_fmt(r.get('accept_length'), '6.2f'):>6} "
             f"{_fmt(share.get('bookkeeping'), '8.1%'):>8} | {_fmt(own_plain, '6.2f'):>6} "
             f"{_fmt(r.get('over_transformers'), '6.2f'):>6} {_fmt(r.get('over_vllm'), '6.2f'):>6} | "
@@ -466,7 +476,7 @@ def print_table(record: dict) -> None:
           "every request holding a token; ITL = decode time / (new_tokens - 1); accept = accept length (bonus "
           "included); bookkeep = share of a speculative round outside the draft and verify forwards; /plain = tok/s "
           "over the same engine's plain decoding; /HF, /vLLM = eaglet tok/s over transformers, vLLM at that batch "
-          "size (vLLM's EAGLE-3 chain for eaglet's chain rows, its plain decoding otherwise); GB/s = bytes a plain decode step "
+          "size (vLLM's EAGLE-3 chain for eaglet's chain and adaptive rows, its plain decoding otherwise); GB/s = bytes a plain decode step "
           "must read / step time; /floor = step time / (those bytes / read bandwidth)")
 
 

@@ -300,23 +300,28 @@ class Engine:
         # A seeded sampled request keeps the configured shape: its random draws, hence its output,
         # then do not depend on timing or on the other requests of the batch.
         pinned = any(r.sampling_params.seed is not None and not r.sampling_params.greedy for r in requests)
-        level = self.spec_policy.choose(len(requests), pinned)
+        # The bonus token comes anyway: drafts past a request's last allowed token are wasted.
+        useful = max(r.sampling_params.max_new_tokens - len(r.output_token_ids) for r in requests) - 1
+        level = self.spec_policy.choose(len(requests), pinned, useful)
         start = time.perf_counter()
         if level == 0:
             tokens = self.spec_worker.plain_decode(requests, lambda logits: self._sample(requests, logits))
-            self.spec_policy.record(len(requests), level, time.perf_counter() - start)
             self.spec_metrics.num_plain_decode_steps += 1
             self._append(requests, [[t] for t in tokens.tolist()])
+            self.spec_policy.record(len(requests), level, time.perf_counter() - start)
             return
         num_draft_tokens = self.spec_policy.draft_tokens(level)
         result = self.spec_worker.decode(requests, level, num_draft_tokens)
-        self.spec_policy.record(len(requests), level, time.perf_counter() - start, result.num_accepted)
         self.spec_metrics.record(result.num_accepted, num_draft_tokens - 1)
         for req, a in zip(requests, result.num_accepted):
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
             req.spec_accept_lengths.append(a + 1)
         self._append(requests, result.new_tokens)
+        # Appending is timed too (a round appends several tokens per request). The catch-up after
+        # plain steps is the cost of switching back, not of this level's rounds.
+        seconds = time.perf_counter() - start - self.spec_worker.catch_up_seconds
+        self.spec_policy.record(len(requests), level, seconds, result.num_accepted)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, rows: list[bool] | None = None) -> torch.Tensor:
         """Next tokens for the rows that need one (others get -1 and draw no random numbers).

@@ -90,6 +90,7 @@ class EagleWorker:
         self.draft_backend = draft.make_backend(cache, self.pool, fused=fused_attention)
         self.capture_layers = tuple(draft_config.aux_layer_ids)
         self.timer = PhaseTimer()
+        self.catch_up_seconds = 0.0  # of the last round: the draft extend over positions decoded plain
 
     @contextmanager
     def _phase(self, name: str):
@@ -218,6 +219,7 @@ class EagleWorker:
         start = time.perf_counter()
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify"))
         self.catch_up(requests)
+        self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
         roots = torch.tensor([r.output_token_ids[-1] for r in requests])
         tree = self._draft_tree(requests, round_rows, roots, num_steps, num_draft_tokens)

@@ -4,18 +4,26 @@ tokens per second at the current batch size, from costs and acceptance measured 
 A *level* is a draft depth: 0 decodes one plain token per request; level s drafts s steps and
 verifies ``draft_tokens(s)`` tokens (the configured shape at s = num_steps). Costs are kept per
 batch-size bucket (powers of two) and level, as the median of the last few measured wall times
-of a decode step (robust to a slow first step and to a busy machine's outliers). Acceptance is kept per depth: ``rate[j]`` is the fraction of rounds
-that drafted at least j steps and accepted at least j tokens, so the expected tokens of a round at
-level s are ``1 + sum(rate[1..s])`` (shallower rounds are the truncations of deeper ones).
+of a decode step per request (robust to a slow first step and to a busy machine's outliers).
+Acceptance is kept per depth as a conditional rate: ``q[j]`` is the fraction of rounds that
+drafted at least j steps and accepted j - 1 tokens which accepted the j-th too, counted from a
+prior of one accepted round, so a depth no round has reached counts as accepted until one does.
+The expected tokens of a round at level s are ``1 + sum over j <= s of q[1] * ... * q[j]``
+(shallower rounds are the truncations of deeper ones).
 
-The first bucket measures every level ``min_samples`` times, then uses the best estimate. A later
-bucket starts from the nearest bucket that has measured every level (ragged finishing walks a
-burst of requests down through the buckets, and each would otherwise spend its first steps on
-trials): it measures that bucket's best level and plain decoding itself, and estimates the other
-levels from the neighbour's costs scaled by the ratio of its own costs to the neighbour's on the
-levels both measured. Every bucket re-measures one of its other levels (in turn) every
-``probe_interval`` steps, so that a bad early measurement, a poor estimate, or a change in load or
-in acceptance is noticed.
+A bucket first measures two anchors ``min_samples`` times each: plain decoding and a starting
+depth (the nearest other bucket's best, else the configured depth). A level it has not measured
+is estimated from the ones it has, linearly in the depth (a round's cost grows with its draft
+steps and verified tokens): interpolated between the measured levels around it, extrapolated
+past the deepest with the slope of the two deepest. The policy runs the level with the most
+expected tokens per second; if that is an estimate, running it measures it. So trials are only
+spent on levels that look best, and a 16-step configuration does not spend 32 steps measuring
+every depth. A bucket re-measures another level now and then (afresh: ``min_samples`` new
+steps replace its old ones), in turn the best one's neighbours and then any other, so that a bad early measurement, a poor estimate, or a change in load or in
+acceptance is noticed. A probe costs (a worse round, and after plain steps the draft's catch-up),
+so the interval starts at ``probe_interval`` steps (four times that when plain decoding is best:
+leaving it also pays the draft's catch-up over the plain steps) and doubles after each probe that leaves the
+best level as it was, up to ``max_probe_interval``; a probe that changes it starts over.
 """
 
 from __future__ import annotations
@@ -35,7 +43,11 @@ class _Bucket:
     seconds: dict[int, deque[float]] = field(default_factory=dict)  # level -> last step times / batch size
     decisions: int = 0
     probes: int = 0
+    next_probe: int = 0  # the decision count of the next probe
+    probe_interval: int = 0
+    start: int = 0  # the speculative anchor level
     best: int | None = None
+    probing: int | None = None  # the level a probe is re-measuring
 
 
 class SpeculationPolicy:
@@ -44,19 +56,23 @@ class SpeculationPolicy:
         spec: SpeculativeConfig,
         adaptive: bool = True,
         window: int = 5,
-        probe_interval: int = 16,
+        probe_interval: int = 4,
+        max_probe_interval: int = 256,
         min_samples: int = 2,
+        plain_margin: float = 1.05,
     ) -> None:
         self.spec = spec
         self.adaptive = adaptive
         self.window = window
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
         self.min_samples = min_samples
+        self.plain_margin = plain_margin
         self.max_level = spec.num_steps
         self.buckets: dict[int, _Bucket] = {}
-        # Rounds that drafted at least j steps, and those that accepted at least j tokens (index j-1).
-        self.depth_rounds = [0.0] * self.max_level
-        self.depth_accepts = [0.0] * self.max_level
+        # Rounds that drafted at least j steps and accepted j - 1, and those of them that accepted j (index j-1).
+        self.depth_rounds = [0] * self.max_level
+        self.depth_accepts = [0] * self.max_level
         self.steps_per_level = [0] * (self.max_level + 1)
 
     def draft_tokens(self, level: int) -> int:
@@ -68,31 +84,49 @@ class SpeculationPolicy:
         candidates = k + (level - 1) * k * k
         return min(self.spec.num_draft_tokens, 1 + level * k, 1 + candidates)
 
-    def choose(self, batch_size: int, pinned: bool = False) -> int:
+    def choose(self, batch_size: int, pinned: bool = False, useful_level: int | None = None) -> int:
         """The level of the next decode step; ``pinned`` (or a non-adaptive policy) keeps the
-        configured shape, e.g. while a seeded sampled request runs, so its output stays reproducible."""
+        configured shape, e.g. while a seeded sampled request runs, so its output stays reproducible.
+        ``useful_level`` caps the depth: drafts past the most tokens any request may still make
+        (its max_new_tokens) are verified for nothing."""
         if pinned or not self.adaptive:
             return self.max_level
+        level = self._choose(batch_size)
+        if useful_level is None or level <= useful_level:
+            return level
+        if useful_level <= 0:
+            return 0
+        bucket = self.buckets[_bucket_of(batch_size)]
+        seconds = {lv: s for lv, s in self.step_seconds(bucket).items() if lv <= useful_level}
+        return self._best_level(seconds) if seconds else useful_level
+
+    def _choose(self, batch_size: int) -> int:
         size = _bucket_of(batch_size)
-        bucket = self.buckets.setdefault(size, _Bucket())
+        bucket = self.buckets.get(size)
+        if bucket is None:
+            bucket = self.buckets[size] = _Bucket(start=self._start_level(size))
         bucket.decisions += 1
-        neighbour = self._nearest_learned_bucket(size)
-        if neighbour is None:
-            must_measure = self._levels_in_trial_order()
-        else:
-            must_measure = [self._best_level(_medians(neighbour, 1)), 0]
-        untried = [level for level in must_measure if len(bucket.seconds.get(level, ())) < self.min_samples]
-        if untried:
-            return untried[0]
-        best = self._best_level(self._step_seconds(bucket, neighbour))
+        for level in (bucket.start, 0, bucket.probing):
+            if level is not None and len(bucket.seconds.get(level, ())) < self.min_samples:
+                return level
+        bucket.probing = None
+        best = self._best_level(self.step_seconds(bucket))
+        if len(bucket.seconds.get(best, ())) < self.min_samples:
+            return best  # an estimate: running it measures it
         if best != bucket.best:
             if bucket.best is not None:
                 logger.info("speculation at batch <= %d: draft depth %s -> %s", size, _level_name(bucket.best), _level_name(best))
             bucket.best = best
-        if bucket.decisions % self.probe_interval == 0:
-            others = [level for level in self._levels_in_trial_order() if level != best]
+            # Leaving plain decoding also pays the draft's catch-up over the plain steps: probe less.
+            bucket.probe_interval = self.probe_interval * (4 if best == 0 else 1)
+            bucket.next_probe = bucket.decisions + bucket.probe_interval
+        if bucket.decisions >= bucket.next_probe:
             bucket.probes += 1
-            return others[bucket.probes % len(others)]
+            bucket.probe_interval = min(2 * bucket.probe_interval, self.max_probe_interval)
+            bucket.next_probe = bucket.decisions + bucket.probe_interval
+            bucket.probing = self._probe_level(best, bucket.probes)
+            bucket.seconds.pop(bucket.probing, None)  # measured afresh, min_samples times
+            return bucket.probing
         return best
 
     def record(self, batch_size: int, level: int, seconds: float, num_accepted: list[int] | None = None) -> None:
@@ -100,54 +134,70 @@ class SpeculationPolicy:
         self.steps_per_level[level] += 1
         if num_accepted is not None:
             for a in num_accepted:
-                for depth in range(level):
+                for depth in range(min(a + 1, level)):
                     self.depth_rounds[depth] += 1
                     self.depth_accepts[depth] += a > depth
         if not self.adaptive:
             return
-        bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket())
+        bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket(start=self.max_level))
         # Per request, so steps of different batch sizes within a bucket compare.
         bucket.seconds.setdefault(level, deque(maxlen=self.window)).append(seconds / batch_size)
 
     def expected_tokens(self, level: int) -> float:
         """Expected tokens per request of one step at this level (1 for plain decoding)."""
-        total = 1.0
+        total, reach = 1.0, 1.0
         for depth in range(level):
-            if self.depth_rounds[depth] == 0:
-                total += 1.0  # optimistic until measured, so the level gets tried
-            else:
-                total += self.depth_accepts[depth] / self.depth_rounds[depth]
+            reach *= (self.depth_accepts[depth] + 1) / (self.depth_rounds[depth] + 1)
+            total += reach
         return total
 
-    def _step_seconds(self, bucket: _Bucket, neighbour: _Bucket | None) -> dict[int, float]:
-        """Per-request step time of every level: the bucket's own median where it has measured the
-        level ``min_samples`` times, else the neighbour's scaled by own / neighbour on shared levels."""
-        own = _medians(bucket, self.min_samples)
-        if neighbour is None:
-            return own
-        theirs = _medians(neighbour, 1)
-        shared = [own[level] / theirs[level] for level in own if level in theirs and theirs[level] > 0]
-        scale = statistics.median(shared) if shared else 1.0
-        return {**{level: seconds * scale for level, seconds in theirs.items()}, **own}
+    def step_seconds(self, bucket: _Bucket) -> dict[int, float]:
+        """Per-request step time of every level: the bucket's median where it has measured the
+        level, else linear in the depth through the measured levels around it."""
+        measured = {level: statistics.median(s) for level, s in bucket.seconds.items() if s}
+        points = sorted(measured.items())
+        seconds = {}
+        for level in range(self.max_level + 1):
+            if level in measured:
+                seconds[level] = measured[level]
+                continue
+            below = [p for p in points if p[0] < level]
+            above = [p for p in points if p[0] > level]
+            if below and above:
+                (l0, s0), (l1, s1) = below[-1], above[0]
+            elif len(below) >= 2:
+                (l0, s0), (l1, s1) = below[-2], below[-1]
+            else:
+                continue  # not estimable yet; the anchors are measured first
+            seconds[level] = max(s0 + (s1 - s0) * (level - l0) / (l1 - l0), 1e-9)
+        return seconds
 
     def _best_level(self, seconds: dict[int, float]) -> int:
-        """The level with the most expected tokens per second, from per-request step times."""
-        return max(seconds, key=lambda level: self.expected_tokens(level) / max(seconds[level], 1e-9))
+        """The level with the most expected tokens per second, from per-request step times; plain
+        decoding is credited ``plain_margin`` (switching between plain and speculative steps costs
+        what the step times do not show: the draft's catch-up, requests left at uneven lengths)."""
+        def rate(level: int) -> float:
+            return self.expected_tokens(level) / max(seconds[level], 1e-9) * (self.plain_margin if level == 0 else 1.0)
 
-    def _nearest_learned_bucket(self, size: int) -> _Bucket | None:
-        """The closest other bucket (in powers of two) that has measured every level."""
-        levels = self._levels_in_trial_order()
-        learned = [
-            other for other, b in self.buckets.items()
-            if other != size and all(len(b.seconds.get(level, ())) >= self.min_samples for level in levels)
-        ]
+        return max(seconds, key=rate)
+
+    def _start_level(self, size: int) -> int:
+        """The speculative anchor of a new bucket: the nearest other bucket's best depth (ragged
+        finishing walks a burst of requests down through the buckets), else the configured one."""
+        learned = [other for other, b in self.buckets.items() if other != size and b.best]
         if not learned:
-            return None
+            return self.max_level
         nearest = min(learned, key=lambda other: (abs(other.bit_length() - size.bit_length()), other))
-        return self.buckets[nearest]
+        return self.buckets[nearest].best
 
-    def _levels_in_trial_order(self) -> list[int]:
-        return [self.max_level, 0, *range(self.max_level - 1, 0, -1)]
+    def _probe_level(self, best: int, probe: int) -> int:
+        """Odd probes re-measure a neighbour of the best level (the deeper one first: only deeper
+        rounds measure the acceptance of deeper drafts), even ones any other level in turn."""
+        neighbours = [level for level in (best + 1, best - 1) if 0 <= level <= self.max_level]
+        others = [level for level in range(self.max_level + 1) if level != best]
+        if probe % 2:
+            return neighbours[(probe // 2) % len(neighbours)]
+        return others[(probe // 2) % len(others)]
 
     def as_dict(self) -> dict:
         return {
@@ -157,11 +207,6 @@ class SpeculationPolicy:
                 size: bucket.best for size, bucket in sorted(self.buckets.items()) if bucket.best is not None
             },
         }
-
-
-def _medians(bucket: _Bucket, min_count: int) -> dict[int, float]:
-    """Median per-request step time of each level measured at least ``min_count`` times."""
-    return {level: statistics.median(s) for level, s in bucket.seconds.items() if len(s) >= min_count}
 
 
 def _bucket_of(batch_size: int) -> int:
