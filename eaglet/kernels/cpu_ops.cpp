@@ -406,7 +406,16 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   const float neg_inf = -std::numeric_limits<float>::infinity();
   Q* op = out.data_ptr<Q>();
 
-  std::vector<float> query(tokens * heads * qdim), o_latent(tokens * heads * latent), o_value(tokens * heads * value);
+  // Scratch of this thread, kept between calls: every element is written before it is read, and
+  // fresh megabyte vectors would cost their zeroing and page faults on every call.
+  // (References, so that the worker threads' lambdas reach the caller's buffers.)
+  thread_local std::vector<float> query_buffer, o_latent_buffer, o_value_buffer;
+  std::vector<float>& query = query_buffer;
+  std::vector<float>& o_latent = o_latent_buffer;
+  std::vector<float>& o_value = o_value_buffer;
+  query.resize(tokens * heads * qdim);
+  o_latent.resize(tokens * heads * latent);
+  o_value.resize(tokens * heads * value);
   const bool parallel_heads = tokens * (nope + value) * latent * heads >= kParallelWork;
   // With AMX copies of W_UK^T / W_UV per head (bfloat16 models), passes 1 and 3 run on tiles; their
   // bfloat16 weights are the checkpoint's kv_b_proj values exactly, and pass 3 rounds o to bfloat16
@@ -419,9 +428,10 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
     at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
       configure_tiles();
-      std::vector<at::BFloat16> x_pad;
+      // Zeroed once: each head's fill_row rewrites the same values of the real rows.
+      thread_local std::vector<at::BFloat16> x_pad;
+      assign_zeros(x_pad, (tokens + kTileRows - 1) / kTileRows * kTileRows * kp);
       for (int64_t h = begin; h < end; ++h) {
-        assign_zeros(x_pad, (tokens + kTileRows - 1) / kTileRows * kTileRows * kp);
         for (int64_t t = 0; t < tokens; ++t) fill_row(t, h, x_pad.data() + t * kp);
         for (int64_t g = 0; g < n / kGroupN; ++g) {
           amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
@@ -797,7 +807,9 @@ void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat
   const int64_t k_blocks = qdim / kTileK, q_blocks = (num_rows + kTileN - 1) / kTileN;
   constexpr int64_t block_elems = kTileK * kTileN;
   thread_local std::vector<at::BFloat16> q_packed, key_rows;
-  assign_zeros(q_packed, q_blocks * k_blocks * block_elems);
+  // Not zeroed: a query column past num_rows (earlier calls' finite values) reaches only its own
+  // output column, which is not read.
+  q_packed.resize(q_blocks * k_blocks * block_elems);
   key_rows.resize(kTileRows * qdim);
   // Block (qb, kb) holds 16 (k pair) x 16 (query) x 2: query r's pair p of block kb is dword
   // p * 16 + r % 16 of that block.
@@ -843,8 +855,13 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
   constexpr int64_t block_elems = kTileK * kTileN;
   thread_local std::vector<at::BFloat16> p_pad, v_packed, zeros;
   thread_local std::vector<float> c;
-  assign_zeros(p_pad, (num_rows + kTileRows - 1) / kTileRows * kTileRows * kp);
-  for (int64_t r = 0; r < num_rows; ++r) store_bf16(p_pad.data() + r * kp, probs + r * keys, nullptr, keys);
+  // Rows past num_rows are not zeroed (they reach only output rows that are not read); a row's
+  // columns past the last key are, as they meet the zero keys.
+  p_pad.resize((num_rows + kTileRows - 1) / kTileRows * kTileRows * kp);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    store_bf16(p_pad.data() + r * kp, probs + r * keys, nullptr, keys);
+    std::memset(p_pad.data() + r * kp + keys, 0, (kp - keys) * sizeof(at::BFloat16));
+  }
   assign_zeros(zeros, latent);
   v_packed.resize(n_blocks * k_blocks * block_elems);
   // Row `pair` of block (nb, kb) interleaves keys 2 * pair and 2 * pair + 1 of the k block over the
@@ -994,8 +1011,16 @@ at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   const int64_t up_groups = w13.size(0) / 4, down_groups = w2.size(0) / 4;
   const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
   const int64_t padded = (tokens + kTileRows - 1) / kTileRows * kTileRows;
-  std::vector<float> gate_up(tokens * up_width), y(tokens * down_width);
-  std::vector<at::BFloat16> act(padded * kp_inter, at::BFloat16(0.0f));
+  // Scratch of this thread, kept between calls (references, so the workers' lambdas reach the
+  // caller's): gate_up and y rows are written before they are read; act's padding must be zero.
+  thread_local std::vector<float> gate_up_buffer, y_buffer;
+  thread_local std::vector<at::BFloat16> act_buffer;
+  std::vector<float>& gate_up = gate_up_buffer;
+  std::vector<float>& y = y_buffer;
+  std::vector<at::BFloat16>& act = act_buffer;
+  gate_up.resize(tokens * up_width);
+  y.resize(tokens * down_width);
+  assign_zeros(act, padded * kp_inter);
   const bool parallel = worth_threads(tokens, 2 * inter, hidden);
   const at::BFloat16* w13p = w13.data_ptr<at::BFloat16>();
   const at::BFloat16* w2p = w2.data_ptr<at::BFloat16>();
@@ -1063,7 +1088,12 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   }
   const int64_t kb_hidden = w13_first.size(1), kb_inter = w2_first.size(1);
   const int64_t kp_hidden = kb_hidden * kTileK, kp_inter = kb_inter * kTileK, padded_rows = tile_start[experts];
-  std::vector<at::BFloat16> x_pad(padded_rows * kp_hidden, at::BFloat16(0.0f)), act(padded_rows * kp_inter, at::BFloat16(0.0f));
+  // Scratch of this thread, kept between calls; the inputs' padding must be zero, the outputs'
+  // rows are written before they are read.
+  thread_local std::vector<at::BFloat16> x_pad, act;
+  thread_local std::vector<float> gate_up, expert_out;
+  assign_zeros(x_pad, padded_rows * kp_hidden);
+  assign_zeros(act, padded_rows * kp_inter);
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t r = 0; r < count[e]; ++r) {
       std::memcpy(x_pad.data() + (tile_start[e] + r) * kp_hidden, xp + (order[first[e] + r] / top_k) * hidden,
@@ -1072,7 +1102,8 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   }
   const int64_t up_groups = w13_first.size(0) / 4, down_groups = w2_first.size(0) / 4;
   const int64_t up_width = up_groups * kGroupN, down_width = down_groups * kGroupN;
-  std::vector<float> gate_up(padded_rows * up_width), expert_out(padded_rows * down_width);
+  gate_up.resize(padded_rows * up_width);
+  expert_out.resize(padded_rows * down_width);
   const bool parallel = worth_threads(assigned, 2 * inter, hidden);
   // Work items are (active expert, column group), so the threads split the experts in use evenly.
   std::vector<int64_t> active;
