@@ -31,12 +31,13 @@ def test_turned_off_by_environment_variable():
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("hidden", [384, 100])  # 100: the vector loops' tails
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_pytorch_and_is_row_independent(dtype):
+def test_rms_norm_matches_pytorch_and_is_row_independent(dtype, hidden):
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(384, 1e-6).to(dtype)
-    norm.weight.data = torch.randn(384, generator=g).to(dtype)
-    x = (torch.randn(37, 384, generator=g) * 3).to(dtype)
+    norm = RMSNorm(hidden, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
+    x = (torch.randn(37, hidden, generator=g) * 3).to(dtype)
     with torch.inference_mode():
         expected = norm(x)
         norm.fused = True
@@ -64,16 +65,17 @@ def test_rms_norm_keeps_pytorch_under_autograd():
 # ---- rotary embedding, cache writes --------------------------------------------------------
 
 
+@pytest.mark.parametrize("rope_dim", [64, 40, 8])  # 40 and 8: the vector loops' tails (the demo's rope is 8)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_equals_pytorch_bit_for_bit(interleave, dtype):
+def test_rope_equals_pytorch_bit_for_bit(interleave, dtype, rope_dim):
     from eaglet.config import RopeConfig
 
-    rotary = RotaryEmbedding(64, RopeConfig(rope_type="default", theta=10000.0), interleave)
+    rotary = RotaryEmbedding(rope_dim, RopeConfig(rope_type="default", theta=10000.0), interleave)
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(9, 5, 128, generator=g).to(dtype)
-    q_pe = q[..., 64:]  # the strided slice MLAAttention passes
-    k_pe = torch.randn(9, 64, generator=g).to(dtype)
+    q = torch.randn(9, 5, 2 * rope_dim, generator=g).to(dtype)
+    q_pe = q[..., rope_dim:]  # the strided slice MLAAttention passes
+    k_pe = torch.randn(9, rope_dim, generator=g).to(dtype)
     cos, sin = rotary.cos_sin_as(torch.arange(9) * 7, dtype)
     with torch.inference_mode():
         expected = rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)

@@ -192,6 +192,15 @@ inline void store_bf16(at::BFloat16* dst, const float* src, const at::BFloat16* 
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// The float32 value of bfloat16(v), rounding to nearest even as at::BFloat16(float) does.
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+inline void store16_bf16(at::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+#endif
+
 // Below this many multiply-adds a kernel runs on the calling thread: waking the pool costs more.
 constexpr int64_t kParallelWork = 1 << 15;
 
@@ -214,6 +223,17 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
       dot_rows<1>(&row_ptr, row.data(), dim, &sum_square);
       const float mean_square = sum_square / static_cast<float>(dim);
       const float inv_rms = 1.0f / std::sqrt(mean_square + static_cast<float>(eps));
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {  // the loop below, 16 lanes at a time
+        const __m512 inv = _mm512_set1_ps(inv_rms);
+        for (int64_t i = 0; i < dim; i += kLanes) {
+          const __mmask16 m = tail_mask(dim - i);
+          const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row.data() + i), inv));
+          store16_bf16(orow + i, _mm512_mul_ps(load16(wp + i, m), normed), m);
+        }
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < dim; ++i) {
         // normalized in float32, rounded to the input dtype, then scaled by the weight in that dtype
         const float normed = to_float(from_float<T>(to_float(xr[i]) * inv_rms));
@@ -642,6 +662,34 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
 // interleave: pairs (x0, x1), (x2, x3), ... rotate, and the output is [rotated evens | rotated odds].
 template <typename T>
 void rope_row(const T* x, int64_t stride, const T* cos, const T* sin, int64_t half, bool interleave, T* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {  // the loop below, 16 pairs at a time
+    if (stride == 1) {
+      // evens of 32 values to the low 16 lanes, odds to the high 16
+      const __m512i deinterleave = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                                    30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+      for (int64_t i = 0; i < half; i += kLanes) {
+        const __mmask16 m = tail_mask(half - i);
+        __m512 x1, x2;
+        if (interleave) {
+          const __mmask32 m2 = half - i >= kLanes ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << (2 * (half - i))) - 1);
+          const __m512i both = _mm512_permutexvar_epi16(deinterleave, _mm512_maskz_loadu_epi16(m2, x + 2 * i));
+          x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
+          x2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+        } else {
+          x1 = load16(x + i, m);
+          x2 = load16(x + half + i, m);
+        }
+        const __m512 c = load16(cos + i, m), s = load16(sin + i, m);
+        const __m512 a = round_bf16(_mm512_mul_ps(x1, c)), b = round_bf16(_mm512_mul_ps(x2, s));
+        const __m512 d = round_bf16(_mm512_mul_ps(x2, c)), e = round_bf16(_mm512_mul_ps(x1, s));
+        store16_bf16(out + i, _mm512_sub_ps(a, b), m);
+        store16_bf16(out + half + i, _mm512_add_ps(d, e), m);
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_float(x[(interleave ? 2 * i : i) * stride]);
     const float x2 = to_float(x[(interleave ? 2 * i + 1 : i + half) * stride]);
@@ -700,8 +748,14 @@ void cache_write_impl(at::Tensor& kv, const int64_t* slots, const at::Tensor& c_
   KV* dst = kv.data_ptr<KV>();
   const X* cp = c_kv.data_ptr<X>();
   const X* kp = k_pe.data_ptr<X>();
+  const bool copy = std::is_same_v<KV, X> && c_kv.stride(1) == 1 && k_pe.stride(1) == 1;
   for (int64_t t = 0; t < tokens; ++t) {
     KV* row = dst + slots[t] * dim;
+    if (copy) {
+      std::memcpy(row, cp + t * c_kv.stride(0), latent * sizeof(KV));
+      std::memcpy(row + latent, kp + t * k_pe.stride(0), rope * sizeof(KV));
+      continue;
+    }
     for (int64_t i = 0; i < latent; ++i) row[i] = from_float<KV>(to_float(cp[t * c_kv.stride(0) + i * c_kv.stride(1)]));
     for (int64_t i = 0; i < rope; ++i) row[latent + i] = from_float<KV>(to_float(kp[t * k_pe.stride(0) + i * k_pe.stride(1)]));
   }
