@@ -60,10 +60,9 @@ inline T from_float(float v) { return static_cast<T>(v); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+// 16 bfloat16 values (as bits) widened to float32, exactly.
+inline __m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 inline __mmask16 tail_mask(int64_t left) { return left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
 #endif
 
@@ -194,9 +193,7 @@ inline void store_bf16(at::BFloat16* dst, const float* src, const at::BFloat16* 
 
 #if defined(__AVX512BF16__)
 // The float32 value of bfloat16(v), rounding to nearest even as at::BFloat16(float) does.
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+inline __m512 round_bf16(__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); }
 
 inline void store16_bf16(at::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
 #endif
@@ -674,8 +671,8 @@ void rope_row(const T* x, int64_t stride, const T* cos, const T* sin, int64_t ha
         if (interleave) {
           const __mmask32 m2 = half - i >= kLanes ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << (2 * (half - i))) - 1);
           const __m512i both = _mm512_permutexvar_epi16(deinterleave, _mm512_maskz_loadu_epi16(m2, x + 2 * i));
-          x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)), 16));
-          x2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1)), 16));
+          x1 = widen_bf16(_mm512_castsi512_si256(both));
+          x2 = widen_bf16(_mm512_extracti64x4_epi64(both, 1));
         } else {
           x1 = load16(x + i, m);
           x2 = load16(x + half + i, m);

@@ -18,12 +18,15 @@ steps and verified tokens): interpolated between the measured levels around it, 
 past the deepest with the slope of the two deepest. The policy runs the level with the most
 expected tokens per second; if that is an estimate, running it measures it. So trials are only
 spent on levels that look best, and a 16-step configuration does not spend 32 steps measuring
-every depth. A bucket re-measures another level now and then (afresh: ``min_samples`` new
-steps replace its old ones), in turn the best one's neighbours and then any other, so that a bad early measurement, a poor estimate, or a change in load or in
-acceptance is noticed. A probe costs (a worse round, and after plain steps the draft's catch-up),
-so the interval starts at ``probe_interval`` steps (four times that when plain decoding is best:
-leaving it also pays the draft's catch-up over the plain steps) and doubles after each probe that leaves the
-best level as it was, up to ``max_probe_interval``; a probe that changes it starts over.
+every depth.
+
+A bucket re-measures another level now and then (afresh: ``min_samples`` new steps replace its
+old ones), in turn the best one's neighbours and then any other, so that a bad early
+measurement, a poor estimate, or a change in load or in acceptance is noticed. A probe costs a
+worse round, so the interval starts at ``probe_interval`` steps (four times that when plain
+decoding is best: leaving it also pays the draft's catch-up over the plain steps) and doubles
+after each probe that leaves the best level as it was, up to ``max_probe_interval``; a probe
+that changes it starts over.
 """
 
 from __future__ import annotations
