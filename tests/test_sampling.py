@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from eaglet import kernels
 from eaglet.errors import InvalidRequestError
 from eaglet.layers.logits_processor import LogitsRow, logprobs_of, process_logits
 from eaglet.layers.sampler import BLOCKED_MIN_VOCAB, VOCAB_BLOCK, greedy_tokens, sample, shaped_probs, top_k_logprobs
@@ -430,7 +431,12 @@ def test_validate_for_vocab():
 
 @pytest.mark.parametrize("vocab", [1000, BLOCKED_MIN_VOCAB, 32000])  # row-wide, and block by block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype):
+@pytest.mark.parametrize("argmax_kernel", [True, False], ids=["kernel", "pytorch-ops"])
+def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype, argmax_kernel, monkeypatch):
+    if argmax_kernel and not kernels.available():
+        pytest.skip(f"kernels not built: {kernels.unavailable_reason()}")
+    if not argmax_kernel:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
     g = torch.Generator().manual_seed(vocab)
     for trial in range(30):
         logits = torch.randint(0, 3, (5, 3, vocab), generator=g).to(dtype)  # many tied maxima
@@ -444,6 +450,7 @@ def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype):
             logits[3, 2, vocab - 1] = 5.0  # the maximum in the last block only
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
         assert torch.equal(greedy_tokens(logits[0]), logits[0].argmax(dim=-1))
+        assert torch.equal(greedy_tokens(logits[:, 1]), logits[:, 1].argmax(dim=-1))  # rows not adjacent
 
 
 @pytest.mark.parametrize("vocab", [1000, 32000])

@@ -1,6 +1,6 @@
 """eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
 
-The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``rope_query_key``, ``noaux_route``
+The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim``, ``rope_query_key``, ``noaux_route``
 (DeepSeek-V3 routing), ``mla_cache_write`` and ``mla_absorbed_attention`` (absorbed MLA attention
 over the paged latent cache) and, on CPUs with AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles),
 ``amx_swiglu`` and ``moe_routed_experts`` (all routed experts in one call). Each does in one call
@@ -70,6 +70,12 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _load()
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded already; unlike ``available()``, never starts a build (for
+    hot paths that use a kernel only where a model load has built them)."""
+    return _load.cache_info().currsize > 0 and _load() is None
 
 
 def use_cpu_kernels(model: torch.nn.Module) -> int:

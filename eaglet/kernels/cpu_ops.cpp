@@ -255,6 +255,62 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// argmax of a row as torch computes it: the first index of the maximum, a NaN counting as larger
+// than any number (so the first NaN wins). One pass for the maximum and whether a NaN occurs, a
+// second that stops at the first element equal to it (or at the first NaN).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan_lanes = 0;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = load16(x + i, m);
+    nan_lanes |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_max_ps(best, m, best, v);
+  }
+  const bool has_nan = nan_lanes != 0;
+  const __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = load16(x + i, m);
+    const __mmask16 hit = has_nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q) : _mm512_mask_cmp_ps_mask(m, v, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;
+#else
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    const float v = to_float(x[i]), b = to_float(x[best]);
+    if (std::isnan(b)) break;
+    if (std::isnan(v) || v > b) best = i;
+  }
+  return best;
+#endif
+}
+
+at::Tensor argmax_last_dim(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) > 0, "argmax_last_dim: a non-empty last dimension");
+  const at::Tensor x = logits.contiguous();
+  const int64_t n = x.size(-1);
+  const int64_t rows = x.numel() / n;
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, (kParallelWork * 8) / n);
+  const auto run = [&](const auto* xp) {
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_last_dim: bfloat16 or float32 logits");
+    run(x.data_ptr<float>());
+  }
+  return out;
+}
+
 // Indices of the k largest values, largest first, the lower index first among equal values.
 void top_indices(const float* values, int64_t n, int64_t k, int64_t* out) {
   for (int64_t j = 0; j < k; ++j) {
@@ -1406,6 +1462,7 @@ TORCH_LIBRARY(eaglet, m) {
       .def("forward_eagle3", &DecoderStack::forward_eagle3)
       .def("draft_chain", &DecoderStack::draft_chain);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("argmax_last_dim(Tensor logits) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");
   m.def("mla_cache_write(Tensor(a!) kv, Tensor out_cache_loc, Tensor c_kv, Tensor k_pe) -> ()");
@@ -1418,6 +1475,7 @@ TORCH_LIBRARY(eaglet, m) {
 
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rms_norm", rms_norm);
+  m.impl("argmax_last_dim", argmax_last_dim);
   m.impl("noaux_route", noaux_route);
   m.impl("mla_absorbed_attention", mla_absorbed_attention);
   m.impl("moe_routed_experts", moe_routed_experts);
