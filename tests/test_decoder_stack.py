@@ -238,7 +238,7 @@ def test_draft_chain_in_one_call_matches_the_per_step_forwards(tmp_path):
         fused_rounds.append(drafted is not None)
         return drafted
 
-    def both_ways(requests, round_rows, roots, length):
+    def both_ways(requests, round_rows, length):
         before = worker.pool.kv.clone()
         results = []
         for mode in ("one call", "per step", "layer path"):
@@ -246,7 +246,7 @@ def test_draft_chain_in_one_call_matches_the_per_step_forwards(tmp_path):
             midlayer.draft_chain = one_call if mode == "one call" else (lambda *args: None)
             draft.fused_midlayer = None if mode == "layer path" else midlayer
             try:
-                results.append((chain(requests, round_rows, roots, length), worker.pool.kv.clone()))
+                results.append((chain(requests, round_rows, length), worker.pool.kv.clone()))
             finally:
                 del midlayer.draft_chain
                 draft.fused_midlayer = midlayer

@@ -58,7 +58,9 @@ class RoundRows:
 
     rows: list[int]  # req_pool_idx per request
     prefix: list[int]  # committed tokens per request (row index of the root's slot)
-    prefix_t: torch.Tensor  # [B] the same, as a tensor
+    rows_t: torch.Tensor  # [B] rows, as a tensor
+    prefix_t: torch.Tensor  # [B] prefix, as a tensor
+    roots: torch.Tensor  # [B] each request's root token (its last output token, not yet cached)
     slots: torch.Tensor  # [B, scratch_len] cache slots of row indices prefix .. prefix + scratch_len - 1
 
 
@@ -221,8 +223,7 @@ class EagleWorker:
         self.catch_up(requests)
         self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
-        roots = torch.tensor([r.output_token_ids[-1] for r in requests])
-        tree = self._draft_tree(requests, round_rows, roots, num_steps, num_draft_tokens)
+        tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens)
         result, raw_logits, features = self._verify(requests, round_rows, tree)
         round_result = self._commit(requests, round_rows, tree, result, raw_logits, features)
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
@@ -239,14 +240,13 @@ class EagleWorker:
         scratch = self.spec.scratch_len
         # The grown slots are row indices prefix .. prefix + scratch - 1 of every row, in row order.
         slots = self.cache.grow_rows(rows, [p + scratch for p in prefix]).view(len(rows), scratch)
-        return RoundRows(rows, prefix, torch.tensor(prefix), slots)
+        rows_t, prefix_t, roots = torch.tensor([rows, prefix, [r.output_token_ids[-1] for r in requests]]).unbind(0)
+        return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots)
 
-    def _draft_tree(
-        self, requests: list[Request], round_rows: RoundRows, roots: torch.Tensor, steps: int, num_draft_tokens: int
-    ) -> DraftTree:
+    def _draft_tree(self, requests: list[Request], round_rows: RoundRows, steps: int, num_draft_tokens: int) -> DraftTree:
         k = self.spec.eagle_topk
         if k == 1:
-            return self._draft_chain(requests, round_rows, roots, min(steps, num_draft_tokens - 1))
+            return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
         prefix = round_rows.prefix_t
         batch_size = len(requests)
         recorder = CandidateRecorder()
@@ -283,18 +283,18 @@ class EagleWorker:
                 1, parent_rank[:, :, None].expand(-1, -1, out.hidden_out.shape[-1])
             )
             ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
-        return recorder.build_tree(roots, num_draft_tokens)
+        return recorder.build_tree(round_rows.roots, num_draft_tokens)
 
-    def _draft_chain(self, requests: list[Request], round_rows: RoundRows, roots: torch.Tensor, length: int) -> DraftTree:
+    def _draft_chain(self, requests: list[Request], round_rows: RoundRows, length: int) -> DraftTree:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
         path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
         batch_size = len(requests)
-        tokens = [roots, torch.stack([r.draft_state.topk_tokens for r in requests])[:, 0]][: length + 1]
+        tokens = [round_rows.roots, torch.stack([r.draft_state.topk_tokens for r in requests])[:, 0]][: length + 1]
         hidden = torch.stack([r.draft_state.hidden for r in requests])
         fused = self.draft.fused_midlayer
         if length > 1 and fused is not None:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
-            row_slots = self.cache.req_to_token[torch.tensor(round_rows.rows), : max(round_rows.prefix) + length - 1]
+            row_slots = self.cache.req_to_token[round_rows.rows_t, : max(round_rows.prefix) + length - 1]
             with self._phase("draft"):
                 drafted = fused.draft_chain(
                     self.draft, tokens[-1], hidden, self.draft_backend, row_slots, round_rows.prefix, length - 1
@@ -377,9 +377,10 @@ class EagleWorker:
             sampled = verify_sampling(
                 tree.tokens[idx], tree.parents[idx], probs, [requests[i].generator for i in sampled_rows]
             )
-            result.accepted_nodes[idx] = sampled.accepted_nodes
-            result.num_accepted[idx] = sampled.num_accepted
-            result.bonus_tokens[idx] = sampled.bonus_tokens
+            merged = [t.clone() for t in (result.accepted_nodes, result.num_accepted, result.bonus_tokens)]
+            for whole, part in zip(merged, (sampled.accepted_nodes, sampled.num_accepted, sampled.bonus_tokens)):
+                whole[idx] = part
+            result = VerifyResult(*merged)
         return result, raw_logits, output.aux_hidden_states
 
     def _process_tree_logits(self, requests: list[Request], tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
@@ -410,9 +411,7 @@ class EagleWorker:
         """Keeps each request's accepted path, then runs the draft extend over root + path. The
         per-request lists are short (depth + 1 entries), so they are built in Python."""
         batch_size, n = tree.tokens.shape
-        accepted = result.num_accepted.tolist()
-        nodes = result.accepted_nodes.tolist()
-        bonus = result.bonus_tokens.tolist()
+        nodes, accepted, bonus = result.host_lists()
         tokens = tree.tokens.tolist()
         scratch = round_rows.slots.shape[1]
         # Per request: the path through the tree including the root (node indices), its tokens
@@ -422,8 +421,13 @@ class EagleWorker:
         # The target's entries of accepted nodes move to row indices n+1 .. n+a (none for a chain).
         src = [b * scratch + j for b, path in enumerate(paths) for j in path]
         dst = [b * scratch + i for b, path in enumerate(paths) for i in range(len(path))]
+        positions = [p + i for p, path in zip(round_rows.prefix, paths) for i in range(len(path))]
+        feature_rows = [b * n + j for b, path in enumerate(paths) for j in path]
+        ids = [t for row in new_tokens for t in row]
+        # The draft extend's per-token vectors in one host-to-tensor copy (rows of a [4, T] table).
+        dst_t, positions_t, feature_rows_t, ids_t = torch.tensor([dst, positions, feature_rows, ids]).unbind(0)
         flat_slots = round_rows.slots.reshape(-1)
-        dst_slots = flat_slots[torch.tensor(dst)]
+        dst_slots = flat_slots[dst_t]
         if src != dst:
             moved = [i for i, (s, d) in enumerate(zip(src, dst)) if s != d]
             moved_t = torch.tensor(moved)
@@ -439,16 +443,15 @@ class EagleWorker:
             parent_logits = raw_logits.gather(1, path_t[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
             record_logprobs(requests, parent_logits, emitted)
         batch = ForwardBatch.build(
-            input_ids=[t for row in new_tokens for t in row],
+            input_ids=ids_t,
             req_pool_indices=round_rows.rows,
             extend_prefix_lens=round_rows.prefix,
             extend_seq_lens=[a + 1 for a in accepted],
             out_cache_loc=dst_slots,
-            positions=torch.tensor([p + i for p, path in zip(round_rows.prefix, paths) for i in range(len(path))]),
+            positions=positions_t,
             mode=ForwardMode.EXTEND,
         )
-        feature_rows = torch.tensor([b * n + j for b, path in enumerate(paths) for j in path])
         with self._phase("draft"):
-            out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
+            out = self.draft(batch, self.draft_backend, features[feature_rows_t], hidden_is_target_features=True)
         self._set_draft_states(requests, out.logits, out.hidden_out)
         return RoundResult(new_tokens, accepted)

@@ -32,7 +32,7 @@ never on the other requests in the batch or on its position in it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,14 @@ class VerifyResult:
     accepted_nodes: torch.Tensor  # [B, D] node indices of the accepted path below the root, -1 padded
     num_accepted: torch.Tensor  # [B] number of accepted draft nodes (0..D)
     bonus_tokens: torch.Tensor  # [B] the token that follows the accepted path
+    # The same three as lists, where the verification computed them as lists (host_lists()).
+    _host: tuple[list[list[int]], list[int], list[int]] | None = field(default=None, repr=False)
+
+    def host_lists(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """(accepted_nodes, num_accepted, bonus_tokens) as lists, for the commit's per-request work."""
+        if self._host is None:
+            return self.accepted_nodes.tolist(), self.num_accepted.tolist(), self.bonus_tokens.tolist()
+        return self._host
 
     def emitted_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, D + 1]: the accepted path's tokens followed by the bonus token, padded with -1.
@@ -156,12 +164,15 @@ def _verify_greedy_chain(tokens: torch.Tensor, target: torch.Tensor) -> VerifyRe
         accepted.append(list(range(1, a + 1)) + [-1] * (depth - a))
         num.append(a)
         bonus.append(picks[a])
-    device = tokens.device
-    return VerifyResult(
-        accepted_nodes=torch.tensor(accepted, dtype=torch.long, device=device).view(batch, depth),
-        num_accepted=torch.tensor(num, dtype=torch.long, device=device),
-        bonus_tokens=torch.tensor(bonus, dtype=torch.long, device=device),
-    )
+    return _greedy_result(accepted, num, bonus, depth, tokens.device)
+
+
+def _greedy_result(accepted: list[list[int]], num: list[int], bonus: list[int], depth: int, device: torch.device) -> VerifyResult:
+    """The result of a walk over lists, in one host-to-tensor copy (each copy of a small list
+    costs about 10 us inside a round), keeping the lists for the commit."""
+    table = torch.tensor([[n, b, *nodes] for n, b, nodes in zip(num, bonus, accepted)], dtype=torch.long)
+    table = table.view(len(num), depth + 2).to(device)
+    return VerifyResult(table[:, 2:], table[:, 0], table[:, 1], _host=(accepted, num, bonus))
 
 
 def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
@@ -198,12 +209,8 @@ def _verify_greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, target: tor
             stack.extend(path + [child] for child in children[path[-1] if path else 0] if tokens_l[b][child] == pick)
         accepted.append(best + [-1] * (tree.max_depth - len(best)))
         bonus.append(target_l[b][best[-1] if best else 0])
-    device = tokens.device
-    return VerifyResult(
-        accepted_nodes=torch.tensor(accepted, dtype=torch.long, device=device).view(len(accepted), tree.max_depth),
-        num_accepted=torch.tensor([tree.max_depth - row.count(-1) for row in accepted], dtype=torch.long, device=device),
-        bonus_tokens=torch.tensor(bonus, dtype=torch.long, device=device),
-    )
+    num = [tree.max_depth - row.count(-1) for row in accepted]
+    return _greedy_result(accepted, num, bonus, tree.max_depth, tokens.device)
 
 
 def _draw_uniforms(valid: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
