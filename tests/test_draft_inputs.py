@@ -49,11 +49,11 @@ def run_prefill(llm: LLM, prompts: list[dict], tails: list[int]) -> tuple[list[d
     recorded = {}
     original = worker._draft_extend
 
-    def record(target_batch, ids, embeds, features, reqs):
+    def record(target_batch, ids, embeds, features):
         # A text-only batch lets the draft embed the ids itself: record what it will look up.
         seen = worker.draft.embed(ids) if embeds is None else embeds
         recorded.update(batch=target_batch, ids=ids.clone(), embeds=seen.clone())
-        return original(target_batch, ids, embeds, features, reqs)
+        return original(target_batch, ids, embeds, features)
 
     reqs = []
     for i, prompt in enumerate(prompts):
@@ -64,6 +64,7 @@ def run_prefill(llm: LLM, prompts: list[dict], tails: list[int]) -> tuple[list[d
     worker._draft_extend = record
     try:
         worker.prefill(reqs, [r.num_tokens for r in reqs], lambda logits: torch.tensor(tails))
+        states = [worker.draft_state(req) for req in reqs]  # before the rows are freed and reused
     finally:
         worker._draft_extend = original
         for req in reqs:
@@ -77,6 +78,7 @@ def run_prefill(llm: LLM, prompts: list[dict], tails: list[int]) -> tuple[list[d
                 "ids": recorded["ids"][start : start + n],
                 "embeds": recorded["embeds"][start : start + n],
                 "positions": batch.positions[start : start + n],
+                "draft_state": states[i],
             }
         )
     return segments, reqs
@@ -102,16 +104,18 @@ def expected_inputs(llm: LLM, prompt: dict, tail: int) -> dict:
 def check_draft_inputs(llm: LLM) -> None:
     prompts = requests()
     tails = [40 + i for i in range(len(prompts))]
-    batched, batched_reqs = run_prefill(llm, prompts, tails)
+    batched, _ = run_prefill(llm, prompts, tails)
     for i, prompt in enumerate(prompts):
-        alone, alone_reqs = run_prefill(llm, [prompt], [tails[i]])
+        alone, _ = run_prefill(llm, [prompt], [tails[i]])
         expected = expected_inputs(llm, prompt, tails[i])
         for key in ("ids", "positions", "embeds"):
             torch.testing.assert_close(batched[i][key], alone[0][key], atol=1e-6, rtol=0, msg=f"request {i} {key}")
             torch.testing.assert_close(batched[i][key], expected[key], atol=1e-6, rtol=0, msg=f"request {i} {key}")
         # The first draft proposals (step 0 top-k after the extend) match too.
-        assert batched_reqs[i].draft_state.topk_tokens.tolist() == alone_reqs[0].draft_state.topk_tokens.tolist()
-        torch.testing.assert_close(batched_reqs[i].draft_state.hidden, alone_reqs[0].draft_state.hidden, atol=1e-5, rtol=0)
+        batched_state, alone_state = batched[i]["draft_state"], alone[0]["draft_state"]
+        assert batched_state.topk_tokens.tolist() == alone_state.topk_tokens.tolist()
+        torch.testing.assert_close(batched_state.topk_logprobs, alone_state.topk_logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(batched_state.hidden, alone_state.hidden, atol=1e-5, rtol=0)
 
 
 def test_each_request_gets_its_own_draft_inputs(llm):
@@ -155,7 +159,7 @@ def test_non_final_chunk_tail_is_the_next_prompt_token(llm):
                 n = min(chunk or req.num_tokens, req.num_tokens - req.num_cached_tokens)
                 engine.spec_worker.prefill([req], [n], lambda logits: torch.tensor([42]))
             slots = engine.cache.req_to_token[req.req_pool_idx, : req.num_tokens]
-            results.append((engine.spec_worker.pool.kv[:, slots].clone(), req.draft_state.topk_tokens.tolist()))
+            results.append((engine.spec_worker.pool.kv[:, slots].clone(), engine.spec_worker.draft_state(req).topk_tokens.tolist()))
         finally:
             engine.cache.free_row(req.req_pool_idx)
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=0)

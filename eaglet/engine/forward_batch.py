@@ -143,7 +143,8 @@ class ForwardBatch:
         per_request = torch.tensor(
             [extend_seq_lens, extend_prefix_lens, start_loc_cpu, seq_lens_cpu, list(req_pool_indices), last_token_cpu],
             dtype=torch.long,
-        ).view(6, len(extend_seq_lens)).to(device)
+            device=device,
+        )
         ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, last_tokens = per_request.unbind(0)
         if positions is None:
             positions = torch.tensor(

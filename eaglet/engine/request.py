@@ -42,7 +42,6 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None  # why the request failed, with finish_reason "error"
     generator: torch.Generator | None = None
-    draft_state: Any = None  # eaglet.spec.eagle_worker.DraftState after a draft extend
     # Target features of the last cached positions decoded while speculation was off; the draft's
     # cache entries there are written (EagleWorker.catch_up) when speculation resumes.
     draft_pending_features: list[torch.Tensor] = field(default_factory=list)

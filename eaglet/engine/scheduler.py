@@ -172,7 +172,6 @@ class Scheduler:
             req.req_pool_idx = None
         req.num_cached_tokens = 0
         req.num_published_blocks = 0
-        req.draft_state = None
         req.draft_pending_features.clear()
 
     def _preempt(self, req: Request) -> None:

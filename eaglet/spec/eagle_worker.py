@@ -45,11 +45,12 @@ from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_chain,
 
 @dataclass
 class DraftState:
-    """What the draft extend leaves for a request's next round (one row per request when batched)."""
+    """What the draft extend leaves for requests' next rounds: one row per request row
+    (req_pool_idx) of the cache in the worker's table, one per request of a batch when read."""
 
-    topk_tokens: torch.Tensor  # [k] target token ids proposed for the position after the root
-    topk_logprobs: torch.Tensor | None  # [k] for tree scores; None with top-1 drafting, which has none
-    hidden: torch.Tensor  # [H] draft hidden at the root's draft slot, fed back at step 1
+    topk_tokens: torch.Tensor  # [R, k] target token ids proposed for the position after the root
+    topk_logprobs: torch.Tensor  # [R, k] float32, for tree scores (not written with top-1 drafting)
+    hidden: torch.Tensor  # [R, H] draft hidden at the root's draft slot, fed back at step 1
 
 
 @dataclass
@@ -91,6 +92,14 @@ class EagleWorker:
         self.pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, dtype, cache.device))
         self.draft_backend = draft.make_backend(cache, self.pool, fused=fused_attention)
         self.capture_layers = tuple(draft_config.aux_layer_ids)
+        # Indexed by request row: a round reads its requests' states in one op per field, the
+        # draft extend writes them so (per-request tensors cost a stack and an unbind per round).
+        rows, k = cache.req_to_token.shape[0], spec.eagle_topk
+        self.states = DraftState(
+            topk_tokens=torch.zeros(rows, k, dtype=torch.long, device=cache.device),
+            topk_logprobs=torch.zeros(rows, k, dtype=torch.float32, device=cache.device),
+            hidden=torch.zeros(rows, draft_config.hidden_size, dtype=dtype, device=cache.device),
+        )
         self.timer = PhaseTimer()
         self.catch_up_seconds = 0.0  # of the last round: the draft extend over positions decoded plain
 
@@ -120,7 +129,7 @@ class EagleWorker:
         tails = torch.where(torch.tensor(final), sampled, torch.tensor(next_prompt))
         tail_embeds = self._tail_embeddings(requests, tails, final) if batch.input_embeds is not None else None
         ids, embeds = draft_extend_inputs(batch, tails, tail_embeds)
-        self._draft_extend(batch, ids, embeds, output.aux_hidden_states, requests)
+        self._draft_extend(batch, ids, embeds, output.aux_hidden_states)
         return sampled
 
     def _tail_embeddings(self, requests: list[Request], tails: torch.Tensor, final: list[bool]) -> torch.Tensor:
@@ -141,7 +150,6 @@ class EagleWorker:
         ids: torch.Tensor,
         embeds: torch.Tensor | None,
         features: torch.Tensor,
-        requests: list[Request],
     ) -> None:
         batch = ForwardBatch.build(
             input_ids=ids,
@@ -154,21 +162,25 @@ class EagleWorker:
             input_embeds=embeds,
         )
         out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        self._set_draft_states(requests, out.logits, out.hidden_out)
+        self._set_draft_states(target_batch.req_pool_indices, out.logits, out.hidden_out)
 
-    def _set_draft_states(self, requests: list[Request], logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    def draft_state(self, req: Request) -> DraftState:
+        """A copy of the request's state (its row of ``states``)."""
+        row = req.req_pool_idx
+        return DraftState(*(t[row].clone() for t in (self.states.topk_tokens, self.states.topk_logprobs, self.states.hidden)))
+
+    def _set_draft_states(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Each request's proposals for its next round from the draft's logits at its root. Top-1
         drafting needs only the argmax, so it skips the log_softmax over the draft vocabulary
         (the argmax of the logits is that of their log-probabilities)."""
         k = self.spec.eagle_topk
         if k == 1:
-            tokens, logprobs = self.draft.to_target_ids(greedy_tokens(logits))[:, None], None
+            self.states.topk_tokens[rows, 0] = self.draft.to_target_ids(greedy_tokens(logits))
         else:
             logprobs, top_ids = top_k_logprobs(logits, k)
-            tokens = self.draft.to_target_ids(top_ids)
-        per_request_logprobs = logprobs.unbind(0) if logprobs is not None else [None] * len(requests)
-        for req, row_tokens, row_logprobs, row_hidden in zip(requests, tokens.unbind(0), per_request_logprobs, hidden.unbind(0)):
-            req.draft_state = DraftState(row_tokens, row_logprobs, row_hidden)
+            self.states.topk_tokens[rows] = self.draft.to_target_ids(top_ids)
+            self.states.topk_logprobs[rows] = logprobs.float()
+        self.states.hidden[rows] = hidden
 
     # ---- plain decoding while speculation is off ------------------------------------------------
     @torch.inference_mode()
@@ -206,7 +218,7 @@ class EagleWorker:
         features = torch.stack([f for r in lagging for f in r.draft_pending_features])
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        self._set_draft_states(lagging, out.logits, out.hidden_out)
+        self._set_draft_states(batch.req_pool_indices, out.logits, out.hidden_out)
         for req in lagging:
             req.draft_pending_features.clear()
 
@@ -250,9 +262,9 @@ class EagleWorker:
         prefix = round_rows.prefix_t
         batch_size = len(requests)
         recorder = CandidateRecorder()
-        frontier_tokens = torch.stack([r.draft_state.topk_tokens for r in requests])  # [B, k]
-        frontier_scores = torch.stack([r.draft_state.topk_logprobs for r in requests]).float()
-        hidden = torch.stack([r.draft_state.hidden for r in requests])
+        frontier_tokens = self.states.topk_tokens[round_rows.rows_t]  # [B, k]
+        frontier_scores = self.states.topk_logprobs[round_rows.rows_t]
+        hidden = self.states.hidden[round_rows.rows_t]
         frontier_hidden = hidden[:, None, :].expand(-1, k, -1)
         frontier_ids = recorder.add(frontier_tokens, frontier_scores, torch.full((batch_size, k), -1), depth=1)
         frontier_ids = frontier_ids.expand(batch_size, k)
@@ -289,8 +301,8 @@ class EagleWorker:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
         path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
         batch_size = len(requests)
-        tokens = [round_rows.roots, torch.stack([r.draft_state.topk_tokens for r in requests])[:, 0]][: length + 1]
-        hidden = torch.stack([r.draft_state.hidden for r in requests])
+        tokens = [round_rows.roots, self.states.topk_tokens[round_rows.rows_t, 0]][: length + 1]
+        hidden = self.states.hidden[round_rows.rows_t]
         fused = self.draft.fused_midlayer
         if length > 1 and fused is not None:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
@@ -453,5 +465,5 @@ class EagleWorker:
         )
         with self._phase("draft"):
             out = self.draft(batch, self.draft_backend, features[feature_rows_t], hidden_is_target_features=True)
-        self._set_draft_states(requests, out.logits, out.hidden_out)
+        self._set_draft_states(round_rows.rows_t, out.logits, out.hidden_out)
         return RoundResult(new_tokens, accepted)
