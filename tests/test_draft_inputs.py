@@ -42,8 +42,9 @@ def llm(tmp_path_factory):
     )
 
 
-def run_prefill(llm: LLM, prompts: list[dict], tails: list[int]) -> tuple[list[dict], list[Request]]:
-    """Spec prefill of the prompts in one batch with fixed tails; returns per-request draft inputs."""
+def run_prefill(llm: LLM, prompts: list[dict], tails: list[int]) -> list[dict]:
+    """Spec prefill of the prompts in one batch with fixed tails; returns per-request draft inputs
+    and the draft state the extend left."""
     engine = llm.engine
     worker = engine.spec_worker
     recorded = {}
@@ -81,7 +82,7 @@ def run_prefill(llm: LLM, prompts: list[dict], tails: list[int]) -> tuple[list[d
                 "draft_state": states[i],
             }
         )
-    return segments, reqs
+    return segments
 
 
 def expected_inputs(llm: LLM, prompt: dict, tail: int) -> dict:
@@ -104,9 +105,9 @@ def expected_inputs(llm: LLM, prompt: dict, tail: int) -> dict:
 def check_draft_inputs(llm: LLM) -> None:
     prompts = requests()
     tails = [40 + i for i in range(len(prompts))]
-    batched, _ = run_prefill(llm, prompts, tails)
+    batched = run_prefill(llm, prompts, tails)
     for i, prompt in enumerate(prompts):
-        alone, _ = run_prefill(llm, [prompt], [tails[i]])
+        alone = run_prefill(llm, [prompt], [tails[i]])
         expected = expected_inputs(llm, prompt, tails[i])
         for key in ("ids", "positions", "embeds"):
             torch.testing.assert_close(batched[i][key], alone[0][key], atol=1e-6, rtol=0, msg=f"request {i} {key}")

@@ -1,9 +1,10 @@
 """eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
 
-The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim``, ``rope_query_key``, ``noaux_route``
-(DeepSeek-V3 routing), ``mla_cache_write`` and ``mla_absorbed_attention`` (absorbed MLA attention
-over the paged latent cache) and, on CPUs with AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles),
-``amx_swiglu`` and ``moe_routed_experts`` (all routed experts in one call). Each does in one call
+The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (greedy tokens),
+``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
+``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
+AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles), ``amx_swiglu`` and ``moe_routed_experts`` (all
+routed experts in one call). Each does in one call
 what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
 its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
 draft's midlayer) through those kernels in one call per forward (``decoder_stack.py``).

@@ -45,8 +45,8 @@ from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_chain,
 
 @dataclass
 class DraftState:
-    """What the draft extend leaves for requests' next rounds: one row per request row
-    (req_pool_idx) of the cache in the worker's table, one per request of a batch when read."""
+    """What the draft extend leaves for requests' next rounds. The worker's table (``states``)
+    holds one row per request row (req_pool_idx) of the cache; ``draft_state(req)`` copies out one."""
 
     topk_tokens: torch.Tensor  # [R, k] target token ids proposed for the position after the root
     topk_logprobs: torch.Tensor  # [R, k] float32, for tree scores (not written with top-1 drafting)
