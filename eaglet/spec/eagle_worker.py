@@ -188,7 +188,7 @@ class EagleWorker:
         """One plain target token per request, capturing the features the draft will need to catch up
         (``catch_up``) when speculation resumes. Returns the sampled tokens."""
         _, output = self.runner.extend(requests, [1] * len(requests), capture_layers=self.capture_layers)
-        for req, feature in zip(requests, output.aux_hidden_states):
+        for req, feature in zip(requests, output.aux_hidden_states.unbind(0)):
             req.draft_pending_features.append(feature)
         return sample(output.logits)
 
