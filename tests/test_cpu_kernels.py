@@ -28,6 +28,17 @@ def test_turned_off_by_environment_variable():
     assert out.strip() == "False turned off by EAGLET_CPU_KERNELS=0"
 
 
+# ---- argmax ----------------------------------------------------------------------------------
+# (Its agreement with torch.argmax, ties and NaNs included, is tests/test_sampling.py's greedy test.)
+
+
+def test_argmax_rejects_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="non-empty last dimension"):
+        torch.ops.eaglet.argmax_last_dim(torch.zeros(3, 0))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 logits"):
+        torch.ops.eaglet.argmax_last_dim(torch.zeros(3, 8, dtype=torch.float16))
+
+
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
 
