@@ -139,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} / plain: throughput {ratio['throughput']:.2f}x, ITL p50 {ratio['itl_p50']:.2f}x")
     for name, policy in policies.items():
         if policy["adaptive"]:
-            depths = policy["decode_steps_per_draft_depth"]
-            print(f"{name}: decode steps per draft depth (0 = off): {depths}; "
-                  f"chosen depth per batch bucket: {policy['best_draft_depth_per_batch_bucket']}")
+            print(f"{name}: decode steps per level: {policy['decode_steps_per_level']}; "
+                  f"chosen level per batch bucket: {policy['best_level_per_batch_bucket']}")
     out = REPO / "benchmarks" / "results" / f"online-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": vars(args), "ratios": ratios, "policies": policies,
                                "results": {k: {m: v for m, v in r.items() if m != "outputs"} for k, r in results.items()}}, indent=2))

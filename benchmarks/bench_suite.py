@@ -60,14 +60,16 @@ import bench_decode  # noqa: E402
 
 # Defaults: (num_steps, eagle_topk, num_draft_tokens). ``adaptive`` is the deepest shape the adaptive
 # policy may draft; it picks the depth per batch size (eaglet.spec.policy), the engine's default.
-SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8), "adaptive": (7, 1, 8)}
+# ``adaptive-tree`` is the engine's default for the tree shape: the policy may also draft chains.
+SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8), "adaptive": (7, 1, 8), "adaptive-tree": (4, 2, 8)}
 
 
 def spec_shapes(args) -> dict[str, tuple[int, int, int]]:
-    """The speculative shapes of this run (--chain-shape / --tree-shape / --adaptive-shape, else SPEC_SHAPES)."""
+    """The speculative shapes of this run (--chain-shape / --tree-shape / --adaptive-shape /
+    --adaptive-tree-shape, else SPEC_SHAPES)."""
     shapes = dict(SPEC_SHAPES)
     for mode in shapes:
-        text = getattr(args, f"{mode}_shape", None)
+        text = getattr(args, f"{mode.replace('-', '_')}_shape", None)
         if text:
             values = _ints(text)
             if len(values) != 3 or min(values) < 1:
@@ -174,7 +176,7 @@ def make_prompts(ckpt: dict, llm, batch: int, prompt_len: int) -> list:
 
 def load_eaglet(ckpt: dict, mode: str, adaptive: bool, shape: tuple[int, int, int] | None = None):
     """An LLM for ``mode``; speculative modes draft a fixed shape unless ``adaptive`` (always for
-    the ``adaptive`` mode)."""
+    the ``adaptive`` and ``adaptive-tree`` modes)."""
     from eaglet import LLM
     from eaglet.engine.engine import EngineConfig
 
@@ -185,7 +187,7 @@ def load_eaglet(ckpt: dict, mode: str, adaptive: bool, shape: tuple[int, int, in
                       speculative_num_steps=steps, speculative_eagle_topk=topk,
                       speculative_num_draft_tokens=draft_tokens)
         if "speculative_adaptive" in {f.name for f in fields(EngineConfig)}:
-            kwargs["speculative_adaptive"] = adaptive or mode == "adaptive"
+            kwargs["speculative_adaptive"] = adaptive or mode.startswith("adaptive")
     return LLM(model=str(ckpt["target"]), **kwargs)
 
 
@@ -231,10 +233,10 @@ def run_eaglet(llm, prompts: list, new_tokens: int, ignore_eos: bool = True) -> 
             (a * after["num_verify_steps"] - b * before["num_verify_steps"]) / max(1, verify)
             for a, b in zip(after["per_position_acceptance_rate"], before["per_position_acceptance_rate"])
         ]
-        steps = [a - b for a, b in zip(after["policy"]["decode_steps_per_draft_depth"],
-                                       before["policy"]["decode_steps_per_draft_depth"])]
+        steps = {level: n - before["policy"]["decode_steps_per_level"][level]
+                 for level, n in after["policy"]["decode_steps_per_level"].items()}
         run.update(accept_length=(accepted + verify) / max(1, verify), per_position_acceptance=per_position,
-                   decode_steps_per_draft_depth=steps,
+                   decode_steps_per_level=steps,
                    verify_steps=verify, phase_share=worker.timer.shares(),
                    ms_per_round=1e3 * sum(worker.timer.seconds.values()) / max(1, worker.timer.rounds))
     return run
@@ -333,8 +335,9 @@ def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
                                           for k in range(positions)]
         row["phase_share"] = {p: statistics.median(r["phase_share"][p] for r in runs) for p in runs[0]["phase_share"]}
         row["ms_per_round"] = _median(runs, "ms_per_round")
-        # Decode steps per draft depth (0 = plain), all timed runs together: what the adaptive policy chose.
-        row["decode_steps_per_draft_depth"] = [sum(c) for c in zip(*(r["decode_steps_per_draft_depth"] for r in runs))]
+        # Decode steps per level ("off" = plain), all timed runs together: what the adaptive policy chose.
+        row["decode_steps_per_level"] = {level: sum(r["decode_steps_per_level"][level] for r in runs)
+                                         for level in runs[0]["decode_steps_per_level"]}
     return row
 
 
@@ -445,7 +448,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = (f"{'checkpoint':<14} {'engine':<12} {'mode':<8} {'B':>3} | {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} | "
+HEADER = (f"{'checkpoint':<14} {'engine':<12} {'mode':<13} {'B':>3} | {'tok/s':>8} {'TTFT ms':>8} {'ITL ms':>7} | "
           f"{'accept':>6} {'bookkeep':>8} | {'/plain':>6} {'/HF':>6} {'/vLLM':>6} | {'GB/s':>6} {'/floor':>6}")
 
 
@@ -453,7 +456,7 @@ def _row_line(name: str, r: dict) -> str:
     roof = r.get("roofline", {})
     share = r.get("phase_share", {})
     own_plain = r.get(f"over_{r['engine']}_plain")
-    return (f"{name:<14} {r['engine']:<12} {r['mode']:<8} {r['batch']:>3} | {r['tokens_per_s']:>8.1f} "
+    return (f"{name:<14} {r['engine']:<12} {r['mode']:<13} {r['batch']:>3} | {r['tokens_per_s']:>8.1f} "
             f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.2f} | {_fmt(r.get('accept_length'), '6.2f'):>6} "
             f"{_fmt(share.get('bookkeeping'), '8.1%'):>8} | {_fmt(own_plain, '6.2f'):>6} "
             f"{_fmt(r.get('over_transformers'), '6.2f'):>6} {_fmt(r.get('over_vllm'), '6.2f'):>6} | "

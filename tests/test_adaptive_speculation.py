@@ -39,7 +39,7 @@ def test_policy_keeps_speculating_when_it_pays():
     assert chosen[:8] == [3, 3, 0, 0] + [3] * 4
     tail = chosen[50:]
     assert tail.count(3) > 0.9 * len(tail)
-    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {1: 3}
+    assert policy.as_dict()["best_level_per_batch_bucket"] == {1: "3"}
 
 
 def test_a_deep_configuration_finds_its_best_depth_without_trying_every_depth():
@@ -54,7 +54,7 @@ def test_a_deep_configuration_finds_its_best_depth_without_trying_every_depth():
     # steps apart: the deeper neighbour of 7, another depth, the shallower neighbour.
     assert [(i, level) for i, level in enumerate(chosen) if i >= 4 and level != 7] == [
         (10, 8), (11, 8), (18, 1), (19, 1), (34, 6), (35, 6)]
-    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {1: 7}
+    assert policy.as_dict()["best_level_per_batch_bucket"] == {1: "7"}
 
 
 def test_policy_turns_speculation_off_when_a_round_costs_more_than_it_accepts():
@@ -91,7 +91,7 @@ def test_policy_recovers_from_a_bad_first_measurement_and_keeps_buckets_apart():
     tail = chosen[150:]
     assert tail.count(3) > 0.8 * len(tail)  # probing found the configured depth pays after all
     run_policy(policy, 64, cost=lambda level: 0.010 * (1 if level == 0 else 6), accepted=lambda level: 0)
-    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {2: 3, 64: 0}
+    assert policy.as_dict()["best_level_per_batch_bucket"] == {2: "3", 64: "off"}
 
 
 def test_a_new_bucket_starts_from_its_learned_neighbour():
@@ -111,7 +111,7 @@ def test_a_new_bucket_starts_from_its_learned_neighbour():
 def test_estimates_borrowed_from_a_neighbour_are_corrected_by_probes():
     policy = chain_policy(probe_interval=4)
     run_policy(policy, 1, cost=lambda level: 0.010 + 0.002 * level, accepted=lambda level: 1, steps=20)
-    assert policy.as_dict()["best_draft_depth_per_batch_bucket"] == {1: 1}
+    assert policy.as_dict()["best_level_per_batch_bucket"] == {1: "1"}
     # At batch 8 depth 2 is cheap (the neighbour says otherwise): probing measures it and keeps it.
     costs = {0: 0.010, 1: 0.016, 2: 0.011, 3: 0.030}
     chosen = run_policy(policy, 8, cost=costs.__getitem__, accepted=lambda level: min(level, 1) + (level >= 2), steps=120)
@@ -139,6 +139,45 @@ def test_draft_tokens_per_level_scale_the_tree_with_the_depth():
     tree = SpeculationPolicy(SpeculativeConfig("draft", num_steps=5, eagle_topk=4, num_draft_tokens=16))
     assert [tree.draft_tokens(level) for level in range(1, 6)] == [5, 9, 13, 16, 16]
     assert [chain_policy().draft_tokens(level) for level in range(1, 4)] == [2, 3, 4]
+    # A tree configuration's levels past num_steps are top-1 chains of depth 1 .. num_steps.
+    assert tree.num_levels == 11 and chain_policy().num_levels == 4
+    assert [tree.shape(level) for level in (5, 6, 10)] == [(5, 4, 16), (1, 1, 2), (5, 1, 6)]
+    assert [tree.level_name(level) for level in (0, 2, 7)] == ["off", "tree 2", "chain 2"]
+    # Chains never verify more tokens than the configured tree.
+    short = SpeculationPolicy(SpeculativeConfig("draft", num_steps=4, eagle_topk=2, num_draft_tokens=3))
+    assert [short.shape(level) for level in range(5, short.num_levels)] == [(1, 1, 2), (2, 1, 3)]
+
+
+def tree_policy(**kwargs) -> SpeculationPolicy:
+    return SpeculationPolicy(SpeculativeConfig("draft", num_steps=4, eagle_topk=2, num_draft_tokens=8), **kwargs)
+
+
+def test_a_tree_configuration_drafts_chains_where_the_tree_costs_more_than_it_gains():
+    policy = tree_policy()
+    # Both families accept every draft; a tree step costs three times a chain step (large batch).
+    def cost(level):
+        per_step = 0.006 if policy.topk(level) > 1 else 0.002
+        return 0.010 + per_step * policy.depth(level)
+
+    chosen = run_policy(policy, 64, cost=cost, accepted=policy.depth)
+    assert chosen[:6] == [4, 4, 0, 0, 8, 8]  # the anchors: the configured tree, plain, the chain as deep
+    tail = chosen[50:]
+    assert tail.count(8) > 0.8 * len(tail)
+    assert policy.as_dict()["best_level_per_batch_bucket"] == {64: "chain 4"}
+    assert policy.as_dict()["decode_steps_per_level"]["chain 4"] == chosen.count(8)
+
+
+def test_a_tree_configuration_keeps_the_tree_where_its_acceptance_pays():
+    policy = tree_policy()
+    # Equal costs, but the chain's first draft is always rejected while the tree accepts them all.
+    chosen = run_policy(
+        policy, 4, cost=lambda level: 0.010 + 0.002 * policy.depth(level),
+        accepted=lambda level: policy.depth(level) if policy.topk(level) > 1 else 0,
+    )
+    tail = chosen[50:]
+    assert tail.count(4) > 0.8 * len(tail)
+    assert policy.expected_tokens(5) == pytest.approx(1.0, abs=0.1)  # the chain family keeps its own acceptance
+    assert policy.expected_tokens(4) == pytest.approx(5.0, abs=0.01)
 
 
 # ---- the engine switching levels ---------------------------------------------------------------
@@ -203,7 +242,8 @@ def test_switching_levels_gives_plain_output_and_the_all_speculative_draft_cache
     expected = [o.token_ids for o in plain.generate(prompts(), greedy(24))]
     fixed = spec_llm(models, speculative_adaptive=False)
     switching = spec_llm(models)
-    force_levels(switching.engine, [0, 0, 2, 0, 3, 1, 0, 0, 0, 3])
+    # Levels 4 .. 6 draft chains of depth 1 .. 3 in this top-2 tree configuration.
+    force_levels(switching.engine, [0, 0, 2, 0, 3, 6, 1, 0, 4, 0, 0, 3, 5, 5])
     for llm in (fixed, switching):
         outputs = llm.generate(prompts(), greedy(24))
         assert [o.token_ids for o in outputs] == expected

@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoints", default="all",
                         help=f"comma list of {', '.join(CHECKPOINTS)} or 'all' (demo only when built)")
     parser.add_argument("--batch-sizes", default="1,4,16,64", help="eaglet batch sizes")
-    parser.add_argument("--modes", default="plain,chain,tree,adaptive",
-                        help="eaglet modes: plain, chain, tree (fixed shapes), adaptive (the adaptive policy's depth per batch size)")
+    parser.add_argument("--modes", default="plain,chain,tree,adaptive,adaptive-tree",
+                        help="eaglet modes: plain, chain, tree (fixed shapes), adaptive (the adaptive policy's depth per "
+                             "batch size), adaptive-tree (the policy over the tree shape, which may also draft chains)")
     parser.add_argument("--hf-batch-sizes", default="1,16", help="transformers batch sizes ('' to skip)")
     parser.add_argument("--vllm-batch-sizes", default="1,16", help="vLLM batch sizes ('' to skip)")
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
@@ -52,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-shape", default=None, help="the tree's num_steps,eagle_topk,num_draft_tokens (default 4,2,8)")
     parser.add_argument("--adaptive-shape", default=None,
                         help="the deepest shape the adaptive mode may draft (default 7,1,8)")
+    parser.add_argument("--adaptive-tree-shape", default=None,
+                        help="the deepest shape the adaptive-tree mode may draft (default 4,2,8)")
     parser.add_argument("--spec-adaptive", action="store_true",
                         help="let the adaptive policy shorten / skip drafting in the chain and tree modes too (default: fixed shapes)")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="buffer size of the bandwidth measurement")

@@ -310,8 +310,8 @@ class Engine:
             self._append(requests, [[t] for t in tokens.tolist()])
             self.spec_policy.record(len(requests), level, time.perf_counter() - start)
             return
-        num_draft_tokens = self.spec_policy.draft_tokens(level)
-        result = self.spec_worker.decode(requests, level, num_draft_tokens)
+        num_steps, topk, num_draft_tokens = self.spec_policy.shape(level)
+        result = self.spec_worker.decode(requests, num_steps, num_draft_tokens, topk)
         self.spec_metrics.record(result.num_accepted, num_draft_tokens - 1)
         for req, a in zip(requests, result.num_accepted):
             req.spec_verify_ct += 1

@@ -224,19 +224,29 @@ class EagleWorker:
 
     # ---- decode round --------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, requests: list[Request], num_steps: int | None = None, num_draft_tokens: int | None = None) -> RoundResult:
-        """One speculative round; ``num_steps`` / ``num_draft_tokens`` (default: the configured
-        shape) may be smaller than configured, as the adaptive policy asks."""
+    def decode(
+        self,
+        requests: list[Request],
+        num_steps: int | None = None,
+        num_draft_tokens: int | None = None,
+        topk: int | None = None,
+    ) -> RoundResult:
+        """One speculative round; ``num_steps`` / ``num_draft_tokens`` / ``topk`` (default: the
+        configured shape) may be smaller than configured, as the adaptive policy asks (top-1: a
+        chain, drafted from the first column of the top-k proposals)."""
         spec = self.spec
         num_steps = num_steps or spec.num_steps
         num_draft_tokens = num_draft_tokens or spec.num_draft_tokens
+        topk = topk or spec.eagle_topk
+        if topk > spec.eagle_topk or num_draft_tokens > spec.scratch_len:
+            raise ValueError(f"a round of top-{topk} and {num_draft_tokens} tokens exceeds the configured shape")
         start = time.perf_counter()
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify"))
         self.catch_up(requests)
         self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
-        tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens)
-        result, raw_logits, features = self._verify(requests, round_rows, tree)
+        tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk)
+        result, raw_logits, features = self._verify(requests, round_rows, tree, is_chain=topk == 1)
         round_result = self._commit(requests, round_rows, tree, result, raw_logits, features)
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
         self.timer.add("bookkeeping", time.perf_counter() - start - model_seconds)
@@ -255,15 +265,16 @@ class EagleWorker:
         rows_t, prefix_t, roots = torch.tensor([rows, prefix, [r.output_token_ids[-1] for r in requests]]).unbind(0)
         return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots)
 
-    def _draft_tree(self, requests: list[Request], round_rows: RoundRows, steps: int, num_draft_tokens: int) -> DraftTree:
-        k = self.spec.eagle_topk
+    def _draft_tree(
+        self, requests: list[Request], round_rows: RoundRows, steps: int, num_draft_tokens: int, k: int
+    ) -> DraftTree:
         if k == 1:
             return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
         prefix = round_rows.prefix_t
         batch_size = len(requests)
         recorder = CandidateRecorder()
-        frontier_tokens = self.states.topk_tokens[round_rows.rows_t]  # [B, k]
-        frontier_scores = self.states.topk_logprobs[round_rows.rows_t]
+        frontier_tokens = self.states.topk_tokens[round_rows.rows_t, :k]  # [B, k]
+        frontier_scores = self.states.topk_logprobs[round_rows.rows_t, :k]
         hidden = self.states.hidden[round_rows.rows_t]
         frontier_hidden = hidden[:, None, :].expand(-1, k, -1)
         frontier_ids = recorder.add(frontier_tokens, frontier_scores, torch.full((batch_size, k), -1), depth=1)
@@ -354,7 +365,7 @@ class EagleWorker:
         )
 
     def _verify(
-        self, requests: list[Request], round_rows: RoundRows, tree: DraftTree
+        self, requests: list[Request], round_rows: RoundRows, tree: DraftTree, is_chain: bool
     ) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
         batch_size, n = tree.tokens.shape
         prefix = round_rows.prefix_t
@@ -369,7 +380,7 @@ class EagleWorker:
             logits_indices=torch.arange(batch_size * n),
             capture_layers=self.capture_layers,
             # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
-            custom_mask=tree_attention_mask(tree, prefix, max(round_rows.prefix) + n) if self.spec.eagle_topk > 1 else None,
+            custom_mask=None if is_chain else tree_attention_mask(tree, prefix, max(round_rows.prefix) + n),
         )
         with self._phase("verify"):
             output = self.runner.model(batch, self.runner.backend)
@@ -377,7 +388,7 @@ class EagleWorker:
         logits = self._process_tree_logits(requests, tree, raw_logits)
         params = [r.sampling_params for r in requests]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if self.spec.eagle_topk == 1:
+        if is_chain:
             result = verify_greedy_chain(tree.tokens, logits)
         else:
             result = verify_greedy(tree.tokens, tree.parents, logits)

@@ -1,24 +1,30 @@
-"""Adaptive speculation: per decode step, pick the draft depth (or none) that should give the most
+"""Adaptive speculation: per decode step, pick the draft shape (or none) that should give the most
 tokens per second at the current batch size, from costs and acceptance measured while serving.
 
-A *level* is a draft depth: 0 decodes one plain token per request; level s drafts s steps and
-verifies ``draft_tokens(s)`` tokens (the configured shape at s = num_steps). Costs are kept per
-batch-size bucket (powers of two) and level, as the median of the last few measured wall times
-of a decode step per request (robust to a slow first step and to a busy machine's outliers).
-Acceptance is kept per depth as a conditional rate: ``q[j]`` is the fraction of rounds that
-drafted at least j steps and accepted j - 1 tokens which accepted the j-th too, counted from a
-prior of one accepted round, so a depth no round has reached counts as accepted until one does.
-The expected tokens of a round at level s are ``1 + sum over j <= s of q[1] * ... * q[j]``
-(shallower rounds are the truncations of deeper ones).
+A *level* is a draft shape: 0 decodes one plain token per request; level s in 1 .. num_steps
+drafts s steps of the configured top-k and verifies ``draft_tokens(s)`` tokens (the configured
+shape at s = num_steps). A tree configuration (top-k > 1) also has chain levels: num_steps + d
+drafts a top-1 chain of depth d. Past some batch size a tree's extra verified tokens cost more
+than its extra acceptance gives while a chain still pays, so the policy can trade the tree for
+a chain before it gives up drafting. Levels of one top-k form a *family*; plain decoding is
+depth 0 of every family.
 
-A bucket first measures two anchors ``min_samples`` times each: plain decoding and a starting
-depth (the nearest other bucket's best, else the configured depth). A level it has not measured
-is estimated from the ones it has, linearly in the depth (a round's cost grows with its draft
-steps and verified tokens): interpolated between the measured levels around it, extrapolated
-past the deepest with the slope of the two deepest. The policy runs the level with the most
-expected tokens per second; if that is an estimate, running it measures it. So trials are only
-spent on levels that look best, and a 16-step configuration does not spend 32 steps measuring
-every depth.
+Costs are kept per batch-size bucket (powers of two) and level, as the median of the last few
+measured wall times of a decode step per request (robust to a slow first step and to a busy
+machine's outliers). Acceptance is kept per family and depth as a conditional rate: ``q[j]`` is
+the fraction of rounds that drafted at least j steps and accepted j - 1 tokens which accepted the
+j-th too, counted from a prior of one accepted round, so a depth no round has reached counts as
+accepted until one does. The expected tokens of a round at depth s are
+``1 + sum over j <= s of q[1] * ... * q[j]`` (shallower rounds are the truncations of deeper ones).
+
+A bucket first measures its anchors ``min_samples`` times each: plain decoding, a starting level
+(the nearest other bucket's best, else the configured shape) and, for a tree configuration, the
+other family at the starting depth. A level it has not measured is estimated from the measured
+levels of its family, linearly in the depth (a round's cost grows with its draft steps and
+verified tokens): interpolated between the measured levels around it, extrapolated past the
+deepest with the slope of the two deepest. The policy runs the level with the most expected
+tokens per second; if that is an estimate, running it measures it. So trials are only spent on
+levels that look best, and a 16-step configuration does not spend 32 steps measuring every depth.
 
 A bucket re-measures another level now and then (afresh: ``min_samples`` new steps replace its
 old ones), in turn the best one's neighbours and then any other, so that a bad early
@@ -49,6 +55,7 @@ class _Bucket:
     next_probe: int = 0  # the decision count of the next probe
     probe_interval: int = 0
     start: int = 0  # the speculative anchor level
+    companion: int | None = None  # the other family's anchor (tree configurations)
     best: int | None = None
     probing: int | None = None  # the level a probe is re-measuring
 
@@ -71,21 +78,52 @@ class SpeculationPolicy:
         self.max_probe_interval = max_probe_interval
         self.min_samples = min_samples
         self.plain_margin = plain_margin
-        self.max_level = spec.num_steps
+        self.max_level = spec.num_steps  # the configured shape
+        num_chain_levels = min(spec.num_steps, spec.num_draft_tokens - 1) if spec.eagle_topk > 1 else 0
+        # Levels per family (top-k), by depth 1, 2, ...: the configured top-k, then top-1 chains.
+        self.families = [list(range(1, self.max_level + 1))]
+        if num_chain_levels:
+            self.families.append(list(range(self.max_level + 1, self.max_level + 1 + num_chain_levels)))
+        self.num_levels = 1 + sum(len(family) for family in self.families)
         self.buckets: dict[int, _Bucket] = {}
-        # Rounds that drafted at least j steps and accepted j - 1, and those of them that accepted j (index j-1).
-        self.depth_rounds = [0] * self.max_level
-        self.depth_accepts = [0] * self.max_level
-        self.steps_per_level = [0] * (self.max_level + 1)
+        # Per family: rounds that drafted at least j steps and accepted j - 1, and those of them
+        # that accepted j (index j-1).
+        self.depth_rounds = [[0] * len(family) for family in self.families]
+        self.depth_accepts = [[0] * len(family) for family in self.families]
+        self.steps_per_level = [0] * self.num_levels
+
+    def depth(self, level: int) -> int:
+        """Draft steps of a level (0: plain decoding)."""
+        return level if level <= self.max_level else level - self.max_level
+
+    def topk(self, level: int) -> int:
+        return self.spec.eagle_topk if level <= self.max_level else 1
+
+    def _family(self, level: int) -> int:
+        return 0 if level <= self.max_level else 1
 
     def draft_tokens(self, level: int) -> int:
         """Verified tokens (root included) of a round at this level: the configured tree size scaled
-        down with the depth, never more candidates than ``level`` steps of top-k drafting produce."""
+        down with the depth, never more candidates than ``level`` steps of top-k drafting produce;
+        a chain's depth plus its root."""
+        if level > self.max_level:
+            return 1 + self.depth(level)
         if level == self.max_level:
             return self.spec.num_draft_tokens
         k = self.spec.eagle_topk
         candidates = k + (level - 1) * k * k
         return min(self.spec.num_draft_tokens, 1 + level * k, 1 + candidates)
+
+    def shape(self, level: int) -> tuple[int, int, int]:
+        """(num_steps, eagle_topk, num_draft_tokens) of a speculative level."""
+        return self.depth(level), self.topk(level), self.draft_tokens(level)
+
+    def level_name(self, level: int) -> str:
+        if level == 0:
+            return "off"
+        if len(self.families) == 1:
+            return str(level)
+        return f"{'chain' if self._family(level) else 'tree'} {self.depth(level)}"
 
     def choose(self, batch_size: int, pinned: bool = False, useful_level: int | None = None) -> int:
         """The level of the next decode step; ``pinned`` (or a non-adaptive policy) keeps the
@@ -95,21 +133,22 @@ class SpeculationPolicy:
         if pinned or not self.adaptive:
             return self.max_level
         level = self._choose(batch_size)
-        if useful_level is None or level <= useful_level:
+        if useful_level is None or self.depth(level) <= useful_level:
             return level
         if useful_level <= 0:
             return 0
         bucket = self.buckets[_bucket_of(batch_size)]
-        seconds = {lv: s for lv, s in self.step_seconds(bucket).items() if lv <= useful_level}
+        seconds = {lv: s for lv, s in self.step_seconds(bucket).items() if self.depth(lv) <= useful_level}
         return self._best_level(seconds) if seconds else useful_level
 
     def _choose(self, batch_size: int) -> int:
         size = _bucket_of(batch_size)
         bucket = self.buckets.get(size)
         if bucket is None:
-            bucket = self.buckets[size] = _Bucket(start=self._start_level(size))
+            start = self._start_level(size)
+            bucket = self.buckets[size] = _Bucket(start=start, companion=self._companion(start))
         bucket.decisions += 1
-        for level in (bucket.start, 0, bucket.probing):
+        for level in (bucket.start, 0, bucket.companion, bucket.probing):
             if level is not None and len(bucket.seconds.get(level, ())) < self.min_samples:
                 return level
         bucket.probing = None
@@ -118,7 +157,9 @@ class SpeculationPolicy:
             return best  # an estimate: running it measures it
         if best != bucket.best:
             if bucket.best is not None:
-                logger.info("speculation at batch <= %d: draft depth %s -> %s", size, _level_name(bucket.best), _level_name(best))
+                logger.info(
+                    "speculation at batch <= %d: draft level %s -> %s", size, self.level_name(bucket.best), self.level_name(best)
+                )
             bucket.best = best
             # Leaving plain decoding also pays the draft's catch-up over the plain steps: probe less.
             bucket.probe_interval = self.probe_interval * (4 if best == 0 else 1)
@@ -136,10 +177,11 @@ class SpeculationPolicy:
         """Books one decode step: its wall time and, for a speculative round, the accepted drafts."""
         self.steps_per_level[level] += 1
         if num_accepted is not None:
+            rounds, accepts = self.depth_rounds[self._family(level)], self.depth_accepts[self._family(level)]
             for a in num_accepted:
-                for depth in range(min(a + 1, level)):
-                    self.depth_rounds[depth] += 1
-                    self.depth_accepts[depth] += a > depth
+                for depth in range(min(a + 1, self.depth(level))):
+                    rounds[depth] += 1
+                    accepts[depth] += a > depth
         if not self.adaptive:
             return
         bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket(start=self.max_level))
@@ -148,31 +190,34 @@ class SpeculationPolicy:
 
     def expected_tokens(self, level: int) -> float:
         """Expected tokens per request of one step at this level (1 for plain decoding)."""
+        rounds, accepts = self.depth_rounds[self._family(level)], self.depth_accepts[self._family(level)]
         total, reach = 1.0, 1.0
-        for depth in range(level):
-            reach *= (self.depth_accepts[depth] + 1) / (self.depth_rounds[depth] + 1)
+        for depth in range(self.depth(level)):
+            reach *= (accepts[depth] + 1) / (rounds[depth] + 1)
             total += reach
         return total
 
     def step_seconds(self, bucket: _Bucket) -> dict[int, float]:
         """Per-request step time of every level: the bucket's median where it has measured the
-        level, else linear in the depth through the measured levels around it."""
+        level, else linear in the depth through the measured levels of its family around it."""
         measured = {level: statistics.median(s) for level, s in bucket.seconds.items() if s}
-        points = sorted(measured.items())
-        seconds = {}
-        for level in range(self.max_level + 1):
-            if level in measured:
-                seconds[level] = measured[level]
-                continue
-            below = [p for p in points if p[0] < level]
-            above = [p for p in points if p[0] > level]
-            if below and above:
-                (l0, s0), (l1, s1) = below[-1], above[0]
-            elif len(below) >= 2:
-                (l0, s0), (l1, s1) = below[-2], below[-1]
-            else:
-                continue  # not estimable yet; the anchors are measured first
-            seconds[level] = max(s0 + (s1 - s0) * (level - l0) / (l1 - l0), 1e-9)
+        seconds = {0: measured[0]} if 0 in measured else {}
+        for family in self.families:
+            points = sorted((self.depth(level), s) for level, s in measured.items() if level == 0 or level in family)
+            for level in family:
+                if level in measured:
+                    seconds[level] = measured[level]
+                    continue
+                depth = self.depth(level)
+                below = [p for p in points if p[0] < depth]
+                above = [p for p in points if p[0] > depth]
+                if below and above:
+                    (d0, s0), (d1, s1) = below[-1], above[0]
+                elif len(below) >= 2:
+                    (d0, s0), (d1, s1) = below[-2], below[-1]
+                else:
+                    continue  # not estimable yet; the anchors are measured first
+                seconds[level] = max(s0 + (s1 - s0) * (depth - d0) / (d1 - d0), 1e-9)
         return seconds
 
     def _best_level(self, seconds: dict[int, float]) -> int:
@@ -193,11 +238,28 @@ class SpeculationPolicy:
         nearest = min(learned, key=lambda other: (abs(other.bit_length() - size.bit_length()), other))
         return self.buckets[nearest].best
 
+    def _companion(self, level: int) -> int | None:
+        """The other family's level of the same depth (its deepest if shallower), if there is one."""
+        if len(self.families) == 1 or level == 0:
+            return None
+        other = self.families[1 - self._family(level)]
+        return other[min(self.depth(level), len(other)) - 1]
+
+    def _neighbours(self, level: int) -> list[int]:
+        """The deeper and shallower levels of the family (the deeper first: only deeper rounds
+        measure the acceptance of deeper drafts), then the other family's level of the same depth."""
+        if level == 0:
+            return [family[0] for family in self.families]
+        family = self.families[self._family(level)]
+        index = family.index(level)
+        neighbours = family[index + 1 : index + 2] + [family[index - 1] if index else 0]
+        companion = self._companion(level)
+        return neighbours + ([companion] if companion is not None else [])
+
     def _probe_level(self, best: int, probe: int) -> int:
-        """Odd probes re-measure a neighbour of the best level (the deeper one first: only deeper
-        rounds measure the acceptance of deeper drafts), even ones any other level in turn."""
-        neighbours = [level for level in (best + 1, best - 1) if 0 <= level <= self.max_level]
-        others = [level for level in range(self.max_level + 1) if level != best]
+        """Odd probes re-measure a neighbour of the best level, even ones any other level in turn."""
+        neighbours = self._neighbours(best)
+        others = [level for level in range(self.num_levels) if level != best]
         if probe % 2:
             return neighbours[(probe // 2) % len(neighbours)]
         return others[(probe // 2) % len(others)]
@@ -205,16 +267,12 @@ class SpeculationPolicy:
     def as_dict(self) -> dict:
         return {
             "adaptive": self.adaptive,
-            "decode_steps_per_draft_depth": list(self.steps_per_level),
-            "best_draft_depth_per_batch_bucket": {
-                size: bucket.best for size, bucket in sorted(self.buckets.items()) if bucket.best is not None
+            "decode_steps_per_level": {self.level_name(level): n for level, n in enumerate(self.steps_per_level)},
+            "best_level_per_batch_bucket": {
+                size: self.level_name(bucket.best) for size, bucket in sorted(self.buckets.items()) if bucket.best is not None
             },
         }
 
 
 def _bucket_of(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
-
-
-def _level_name(level: int) -> str:
-    return "off" if level == 0 else str(level)
