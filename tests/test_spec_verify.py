@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from eaglet import kernels
 from eaglet.layers.sampler import shaped_probs
 from eaglet.sampling_params import SamplingParams
 from eaglet.spec.verify import (
@@ -17,6 +18,7 @@ from eaglet.spec.verify import (
     _verify_greedy_tree,
     build_tree_index,
     verify_greedy,
+    verify_greedy_chain,
     verify_sampling,
 )
 
@@ -516,3 +518,82 @@ def test_chain_fast_path_equals_the_tree_walk(num_nodes):
         assert torch.equal(fast.accepted_nodes, walked.accepted_nodes)
         assert torch.equal(fast.num_accepted, walked.num_accepted)
         assert torch.equal(fast.bonus_tokens, walked.bonus_tokens)
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_nodes", [1, 2, 5])
+def test_chain_verify_kernel_equals_the_python_walk(num_nodes, dtype):
+    """The kernel (argmax up to the first rejection, then the run) against argmax + the list walk,
+    on logits with ties and NaNs, and on non-contiguous logits."""
+    g = torch.Generator().manual_seed(num_nodes)
+    for trial in range(40):
+        batch, vocab = int(torch.randint(1, 7, (1,), generator=g)), [3, 17, 300][trial % 3]
+        logits = torch.randint(0, 3, (batch, num_nodes, vocab), generator=g).to(dtype)  # many ties
+        if trial % 5 == 0:
+            logits[0, -1, vocab // 2] = float("nan")
+        picks = logits.float().argmax(-1)
+        # Draft tokens that mostly agree with the target, so runs of every length occur.
+        tokens = torch.randint(0, vocab, (batch, num_nodes), generator=g)
+        agree = torch.rand(batch, num_nodes, generator=g) < 0.7
+        tokens[:, 1:] = torch.where(agree[:, 1:], picks[:, :-1], tokens[:, 1:])
+        wide = torch.zeros(batch, num_nodes, 2 * vocab, dtype=dtype)
+        wide[..., :vocab] = logits
+        for view in (logits, wide[..., :vocab]):
+            got = verify_greedy_chain(tokens, view)
+            expected = _verify_greedy_chain(tokens, picks)
+            for field in ("accepted_nodes", "num_accepted", "bonus_tokens"):
+                assert torch.equal(getattr(got, field), getattr(expected, field)), field
+    with pytest.raises(ValueError, match="matching tokens"):
+        verify_greedy_chain(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 0))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        torch.ops.eaglet.verify_chain_greedy(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 4, dtype=torch.float64))
+
+
+@needs_kernels
+def test_commit_table_kernel_equals_the_python_table(monkeypatch):
+    """Per path entry (the root, then the accepted nodes) of every request: source and destination
+    slots, position, feature row and the draft extend's id, from random trees' verification."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        batch, n = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        parents = torch.full((batch, n), -1, dtype=torch.long)
+        for j in range(1, n):
+            parents[:, j] = torch.randint(0, j, (batch,), generator=g)
+        if trial % 2:  # chains
+            parents = (torch.arange(n) - 1).expand(batch, n).clone()
+        tokens = torch.randint(0, 4, (batch, n), generator=g)
+        logits = torch.randn(batch, n, 4, generator=g)
+        logits.scatter_(2, tokens.roll(-1, 1)[:, :, None], 5.0)  # the target mostly agrees
+        result = verify_greedy(tokens, parents, logits)
+        scratch = n + int(torch.randint(0, 3, (1,), generator=g))
+        slots = torch.randperm(1000, generator=g)[: batch * scratch].view(batch, scratch)
+        prefix = torch.randint(0, 50, (batch,), generator=g)
+        kernel = result.commit_table(tokens, slots, prefix)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "loaded", lambda: False)
+            python = result.commit_table(tokens, slots, prefix)
+        assert torch.equal(kernel, python)
+        # The hand-written meaning of each row, request by request.
+        columns = kernel.t().tolist()
+        for b in range(batch):
+            a = int(result.num_accepted[b])
+            path = [0] + result.accepted_nodes[b, :a].tolist()
+            mine, columns = columns[: a + 1], columns[a + 1 :]
+            next_ids = [int(tokens[b, j]) for j in path[1:]] + [int(result.bonus_tokens[b])]
+            assert mine == [[int(slots[b, j]), int(slots[b, i]), int(prefix[b]) + i, b * n + j, next_ids[i]] for i, j in enumerate(path)]
+        assert columns == []
+    bad = VerifyResult.of(torch.tensor([[7]]), torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="accepted node 7 outside"):
+        bad.commit_table(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+def test_merging_sampled_rows_pads_their_shallower_paths():
+    greedy = VerifyResult.of(torch.tensor([[1, 2, 3], [1, -1, -1], [2, 4, -1]]), torch.tensor([3, 1, 2]), torch.tensor([7, 8, 9]))
+    sampled = VerifyResult.of(torch.tensor([[2], [-1]]), torch.tensor([1, 0]), torch.tensor([5, 6]))
+    merged = greedy.with_rows(torch.tensor([0, 2]), sampled)
+    assert merged.table.tolist() == [[1, 5, 2, -1, -1], [1, 8, 1, -1, -1], [0, 6, -1, -1, -1]]
+    assert greedy.num_accepted.tolist() == [3, 1, 2]  # unchanged

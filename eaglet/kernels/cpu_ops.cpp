@@ -311,6 +311,95 @@ at::Tensor argmax_last_dim(const at::Tensor& logits) {
   return out;
 }
 
+// Greedy verification of chains (node i's parent is node i - 1): row b of the result is
+// [num_accepted, bonus, 1 .. num_accepted, -1 ...], the layout of verify.py's _greedy_result. The
+// accepted nodes are the leading ones whose token is the target's pick after the node before; the
+// bonus is the pick after the last of them. Rows past a request's first rejection are not read.
+at::Tensor verify_chain_greedy(const at::Tensor& tokens, const at::Tensor& logits) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0,
+              "verify_chain_greedy: int64 tokens [B, N] with N >= 1");
+  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) && logits.size(2) > 0,
+              "verify_chain_greedy: logits [B, N, V] matching the tokens, V >= 1");
+  const at::Tensor t = tokens.contiguous(), x = logits.contiguous();
+  const int64_t batch = t.size(0), n = t.size(1), vocab = x.size(2), depth = n - 1;
+  at::Tensor out = at::full({batch, depth + 2}, -1, t.options());
+  const int64_t* tp = t.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, (kParallelWork * 8) / (n * vocab));
+  const auto run = [&](const auto* xp) {
+    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        int64_t* row = op + b * (depth + 2);
+        int64_t a = 0, pick = argmax_row(xp + b * n * vocab, vocab);
+        while (a < depth && tp[b * n + a + 1] == pick) {
+          ++a;
+          row[1 + a] = a;
+          pick = argmax_row(xp + (b * n + a) * vocab, vocab);
+        }
+        row[0] = a;
+        row[1] = pick;
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "verify_chain_greedy: bfloat16 or float32 logits");
+    run(x.data_ptr<float>());
+  }
+  return out;
+}
+
+// What a speculative round commits (eagle_worker._commit), from a verification's [B, D + 2] table
+// (per request: num_accepted, bonus token, accepted nodes), for requests whose path is the root
+// then their accepted nodes: T = sum(num_accepted + 1) entries, request after request, as the rows
+// of a [5, T] int64 table: the slot that holds the path node's entries (slots[b, node]), the slot
+// they belong in (slots[b, i] for the path's i-th entry), its position (prefix[b] + i), its row of
+// the verify features (b * N + node), and the draft extend's id there (the path's next token, the
+// bonus token after the last).
+at::Tensor commit_table(const at::Tensor& verify_table, const at::Tensor& tokens, const at::Tensor& slots, const at::Tensor& prefix) {
+  for (const at::Tensor* x : {&verify_table, &tokens, &slots, &prefix}) {
+    TORCH_CHECK(x->scalar_type() == at::kLong, "commit_table: int64 tensors");
+  }
+  TORCH_CHECK(tokens.dim() == 2 && verify_table.dim() == 2 && slots.dim() == 2 && verify_table.size(1) >= 2,
+              "commit_table: tokens [B, N], verify_table [B, D + 2], slots [B, S]");
+  const int64_t batch = tokens.size(0), n = tokens.size(1), depth = verify_table.size(1) - 2, scratch = slots.size(1);
+  TORCH_CHECK(verify_table.size(0) == batch && slots.size(0) == batch && prefix.numel() == batch,
+              "commit_table: one row per request in every input");
+  TORCH_CHECK(depth < n && n <= scratch, "commit_table: a path of at most N nodes, slots [B, S] with S >= N");
+  const at::Tensor table_c = verify_table.contiguous(), tokens_c = tokens.contiguous();
+  const at::Tensor slots_c = slots.contiguous(), prefix_c = prefix.contiguous();
+  const int64_t* vp = table_c.data_ptr<int64_t>();
+  const int64_t *tp = tokens_c.data_ptr<int64_t>(), *sp = slots_c.data_ptr<int64_t>(), *pp = prefix_c.data_ptr<int64_t>();
+  const int64_t width = depth + 2;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t a = vp[b * width];
+    TORCH_CHECK(a >= 0 && a <= depth, "commit_table: num_accepted ", a, " outside 0 .. ", depth);
+    for (int64_t i = 0; i < a; ++i) {
+      const int64_t node = vp[b * width + 2 + i];
+      TORCH_CHECK(node >= 1 && node < n, "commit_table: accepted node ", node, " outside 1 .. ", n - 1);
+    }
+    total += a + 1;
+  }
+  at::Tensor out = at::empty({5, total}, tokens.options());
+  int64_t* src = out.data_ptr<int64_t>();
+  int64_t *dst = src + total, *positions = dst + total, *feature_rows = positions + total, *ids = feature_rows + total;
+  int64_t e = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* row = vp + b * width;  // num_accepted, bonus, nodes
+    for (int64_t i = 0; i <= row[0]; ++i, ++e) {
+      const int64_t node = i == 0 ? 0 : row[1 + i];
+      src[e] = sp[b * scratch + node];
+      dst[e] = sp[b * scratch + i];
+      positions[e] = pp[b] + i;
+      feature_rows[e] = b * n + node;
+      ids[e] = i < row[0] ? tp[b * n + row[2 + i]] : row[1];
+    }
+  }
+  return out;
+}
+
 // Indices of the k largest values, largest first, the lower index first among equal values.
 void top_indices(const float* values, int64_t n, int64_t k, int64_t* out) {
   for (int64_t j = 0; j < k; ++j) {
@@ -1463,6 +1552,8 @@ TORCH_LIBRARY(eaglet, m) {
       .def("draft_chain", &DecoderStack::draft_chain);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_last_dim(Tensor logits) -> Tensor");
+  m.def("verify_chain_greedy(Tensor tokens, Tensor logits) -> Tensor");
+  m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");
   m.def("mla_cache_write(Tensor(a!) kv, Tensor out_cache_loc, Tensor c_kv, Tensor k_pe) -> ()");
@@ -1476,6 +1567,8 @@ TORCH_LIBRARY(eaglet, m) {
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("argmax_last_dim", argmax_last_dim);
+  m.impl("verify_chain_greedy", verify_chain_greedy);
+  m.impl("commit_table", commit_table);
   m.impl("noaux_route", noaux_route);
   m.impl("mla_absorbed_attention", mla_absorbed_attention);
   m.impl("moe_routed_experts", moe_routed_experts);

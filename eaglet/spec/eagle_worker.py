@@ -22,6 +22,7 @@ bookkeeping.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -247,7 +248,7 @@ class EagleWorker:
         round_rows = self._round_rows(requests)
         tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk)
         result, raw_logits, features = self._verify(requests, round_rows, tree, is_chain=topk == 1)
-        round_result = self._commit(requests, round_rows, tree, result, raw_logits, features)
+        round_result = self._commit(requests, round_rows, tree, result, raw_logits, features, is_chain=topk == 1)
         model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
         self.timer.add("bookkeeping", time.perf_counter() - start - model_seconds)
         self.timer.rounds += 1
@@ -400,10 +401,7 @@ class EagleWorker:
             sampled = verify_sampling(
                 tree.tokens[idx], tree.parents[idx], probs, [requests[i].generator for i in sampled_rows]
             )
-            merged = [t.clone() for t in (result.accepted_nodes, result.num_accepted, result.bonus_tokens)]
-            for whole, part in zip(merged, (sampled.accepted_nodes, sampled.num_accepted, sampled.bonus_tokens)):
-                whole[idx] = part
-            result = VerifyResult(*merged)
+            result = result.with_rows(idx, sampled)
         return result, raw_logits, output.aux_hidden_states
 
     def _process_tree_logits(self, requests: list[Request], tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
@@ -430,51 +428,38 @@ class EagleWorker:
         result: VerifyResult,
         raw_logits: torch.Tensor,
         features: torch.Tensor,
+        is_chain: bool,
     ) -> RoundResult:
-        """Keeps each request's accepted path, then runs the draft extend over root + path. The
-        per-request lists are short (depth + 1 entries), so they are built in Python."""
-        batch_size, n = tree.tokens.shape
-        nodes, accepted, bonus = result.host_lists()
-        tokens = tree.tokens.tolist()
-        scratch = round_rows.slots.shape[1]
-        # Per request: the path through the tree including the root (node indices), its tokens
-        # rotated (the accepted tokens then the bonus: the draft extend's ids and the new tokens).
-        paths = [[0] + row[:a] for row, a in zip(nodes, accepted)]
-        new_tokens = [[tokens[b][j] for j in path[1:]] + [bonus[b]] for b, path in enumerate(paths)]
-        # The target's entries of accepted nodes move to row indices n+1 .. n+a (none for a chain).
-        src = [b * scratch + j for b, path in enumerate(paths) for j in path]
-        dst = [b * scratch + i for b, path in enumerate(paths) for i in range(len(path))]
-        positions = [p + i for p, path in zip(round_rows.prefix, paths) for i in range(len(path))]
-        feature_rows = [b * n + j for b, path in enumerate(paths) for j in path]
-        ids = [t for row in new_tokens for t in row]
-        # The draft extend's per-token vectors in one host-to-tensor copy (rows of a [4, T] table).
-        dst_t, positions_t, feature_rows_t, ids_t = torch.tensor([dst, positions, feature_rows, ids]).unbind(0)
-        flat_slots = round_rows.slots.reshape(-1)
-        dst_slots = flat_slots[dst_t]
-        if src != dst:
-            moved = [i for i, (s, d) in enumerate(zip(src, dst)) if s != d]
-            moved_t = torch.tensor(moved)
-            self.cache.target.copy_slots(flat_slots[torch.tensor(src)][moved_t], dst_slots[moved_t])
+        """Keeps each request's accepted path, then runs the draft extend over root + path."""
+        table = result.commit_table(tree.tokens, round_rows.slots, round_rows.prefix_t)
+        src_slots, dst_slots, positions, feature_rows, ids = table.unbind(0)
+        accepted = result.num_accepted.tolist()
+        ids_list = ids.tolist()
+        # Per request: the accepted tokens then the bonus (the path's tokens rotated by one).
+        starts = list(itertools.accumulate((a + 1 for a in accepted), initial=0))
+        new_tokens = [ids_list[start : start + a + 1] for start, a in zip(starts, accepted)]
+        if not is_chain:  # the target's entries of accepted nodes move to row indices n+1 .. n+a
+            moved = src_slots != dst_slots
+            if moved.any():
+                self.cache.target.copy_slots(src_slots[moved], dst_slots[moved])
         self.cache.truncate_rows(round_rows.rows, [p + 1 + a for p, a in zip(round_rows.prefix, accepted)])
         for req, a in zip(requests, accepted):
             req.num_cached_tokens += 1 + a
         if any(r.sampling_params.logprobs is not None for r in requests):
             # Logprobs of each emitted token come from the target's logits at its parent node.
-            depth = result.accepted_nodes.shape[1]
-            path_t = torch.tensor([path + [0] * (depth + 1 - len(path)) for path in paths])
-            emitted = torch.tensor([t + [-1] * (depth + 1 - len(t)) for t in new_tokens])
-            parent_logits = raw_logits.gather(1, path_t[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
-            record_logprobs(requests, parent_logits, emitted)
+            path = torch.cat([torch.zeros_like(result.num_accepted)[:, None], result.accepted_nodes.clamp(min=0)], dim=1)
+            parent_logits = raw_logits.gather(1, path[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
+            record_logprobs(requests, parent_logits, result.emitted_tokens(tree.tokens))
         batch = ForwardBatch.build(
-            input_ids=ids_t,
+            input_ids=ids,
             req_pool_indices=round_rows.rows,
             extend_prefix_lens=round_rows.prefix,
             extend_seq_lens=[a + 1 for a in accepted],
             out_cache_loc=dst_slots,
-            positions=positions_t,
+            positions=positions,
             mode=ForwardMode.EXTEND,
         )
         with self._phase("draft"):
-            out = self.draft(batch, self.draft_backend, features[feature_rows_t], hidden_is_target_features=True)
+            out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
         self._set_draft_states(round_rows.rows_t, out.logits, out.hidden_out)
         return RoundResult(new_tokens, accepted)

@@ -32,10 +32,11 @@ never on the other requests in the batch or on its position in it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from eaglet import kernels
 from eaglet.layers.sampler import greedy_tokens
 
 __all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_chain", "verify_sampling"]
@@ -43,17 +44,29 @@ __all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "ve
 
 @dataclass
 class VerifyResult:
-    accepted_nodes: torch.Tensor  # [B, D] node indices of the accepted path below the root, -1 padded
-    num_accepted: torch.Tensor  # [B] number of accepted draft nodes (0..D)
-    bonus_tokens: torch.Tensor  # [B] the token that follows the accepted path
-    # The same three as lists, where the verification computed them as lists (host_lists()).
-    _host: tuple[list[list[int]], list[int], list[int]] | None = field(default=None, repr=False)
+    """Per request: how many draft nodes it accepts, the token after them and the nodes, as the
+    columns of one [B, D + 2] int64 table (the commit reads it in one kernel call)."""
 
-    def host_lists(self) -> tuple[list[list[int]], list[int], list[int]]:
-        """(accepted_nodes, num_accepted, bonus_tokens) as lists, for the commit's per-request work."""
-        if self._host is None:
-            return self.accepted_nodes.tolist(), self.num_accepted.tolist(), self.bonus_tokens.tolist()
-        return self._host
+    table: torch.Tensor  # [B, D + 2]: num_accepted, bonus token, accepted nodes
+
+    @classmethod
+    def of(cls, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, bonus_tokens: torch.Tensor) -> "VerifyResult":
+        return cls(torch.cat([num_accepted[:, None], bonus_tokens[:, None], accepted_nodes], dim=1).long())
+
+    @property
+    def accepted_nodes(self) -> torch.Tensor:
+        """[B, D] node indices of the accepted path below the root, -1 padded."""
+        return self.table[:, 2:]
+
+    @property
+    def num_accepted(self) -> torch.Tensor:
+        """[B] number of accepted draft nodes (0..D)."""
+        return self.table[:, 0]
+
+    @property
+    def bonus_tokens(self) -> torch.Tensor:
+        """[B] the token that follows the accepted path."""
+        return self.table[:, 1]
 
     def emitted_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, D + 1]: the accepted path's tokens followed by the bonus token, padded with -1.
@@ -67,6 +80,35 @@ class VerifyResult:
             out[:, :depth] = torch.where(self.accepted_nodes >= 0, path_tokens, -1)
         out.scatter_(1, self.num_accepted[:, None], self.bonus_tokens[:, None])
         return out
+
+    def with_rows(self, rows: torch.Tensor, other: "VerifyResult") -> "VerifyResult":
+        """This result with ``rows`` replaced by ``other``'s rows (sampled requests of a greedy
+        batch). Their trees may all be shallower than the batch's deepest: ``other`` may have
+        fewer node columns, and the rest are padding."""
+        table = self.table.clone()
+        table[rows] = -1
+        table[rows, : other.table.shape[1]] = other.table
+        return VerifyResult(table)
+
+    def commit_table(self, tokens: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """[5, T] int64, for requests whose tree nodes sit at ``slots`` [B, S] (node j at slots[b, j])
+        after a prefix of ``prefix`` [B] tokens: per entry i of each request's path (the root, then
+        its accepted nodes; T = sum(num_accepted + 1), request after request), the slot that holds
+        the node's entries, the slot they belong in (slots[b, i]), the position prefix[b] + i, the
+        node's row of the [B * N] verify features, and the path's next token (the bonus after the
+        last), which is the draft extend's input id there."""
+        if tokens.device.type == "cpu" and kernels.loaded():
+            return torch.ops.eaglet.commit_table(self.table, tokens.long(), slots, prefix)
+        n = tokens.shape[1]
+        tokens_l, slots_l, prefix_l = tokens.tolist(), slots.tolist(), prefix.tolist()
+        columns: list[list[int]] = []
+        for b, (a, bonus, *nodes) in enumerate(self.table.tolist()):
+            path = [0] + nodes[:a]
+            next_ids = [tokens_l[b][node] for node in path[1:]] + [bonus]
+            columns.extend(
+                [slots_l[b][node], slots_l[b][i], prefix_l[b] + i, b * n + node, next_ids[i]] for i, node in enumerate(path)
+            )
+        return torch.tensor(columns, dtype=torch.long).view(-1, 5).t().contiguous()
 
 
 @dataclass
@@ -142,9 +184,13 @@ def _path_to(node: torch.Tensor, num: torch.Tensor, parents: torch.Tensor, max_d
 
 
 def verify_greedy_chain(tokens: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
-    """``verify_greedy`` for a chain (node i's parent is i - 1), which the caller knows it drafted."""
-    if tokens.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != tokens.shape:
+    """``verify_greedy`` for a chain (node i's parent is i - 1), which the caller knows it drafted:
+    one kernel call where the CPU kernels are loaded (it reduces each request's logits only up to
+    its first rejected node)."""
+    if tokens.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != tokens.shape or logits.shape[2] == 0:
         raise ValueError(f"logits must be [B, N, V] matching tokens {tuple(tokens.shape)}, got {tuple(logits.shape)}")
+    if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
+        return VerifyResult(torch.ops.eaglet.verify_chain_greedy(tokens.long(), logits))
     return _verify_greedy_chain(tokens.long(), greedy_tokens(logits))
 
 
@@ -169,10 +215,9 @@ def _verify_greedy_chain(tokens: torch.Tensor, target: torch.Tensor) -> VerifyRe
 
 def _greedy_result(accepted: list[list[int]], num: list[int], bonus: list[int], depth: int, device: torch.device) -> VerifyResult:
     """The result of a walk over lists, in one host-to-tensor copy (each copy of a small list
-    costs about 10 us inside a round), keeping the lists for the commit."""
+    costs about 10 us inside a round)."""
     table = torch.tensor([[n, b, *nodes] for n, b, nodes in zip(num, bonus, accepted)], dtype=torch.long)
-    table = table.view(len(num), depth + 2).to(device)
-    return VerifyResult(table[:, 2:], table[:, 0], table[:, 1], _host=(accepted, num, bonus))
+    return VerifyResult(table.view(len(num), depth + 2).to(device))
 
 
 def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
@@ -304,4 +349,4 @@ def verify_sampling(
     bonus_u = uniforms[:, 0]
     bonus = _sample_from(residual, probs[rows, cur], bonus_u)
     accepted = _path_to(cur, num, parents, tree.max_depth)
-    return VerifyResult(accepted_nodes=accepted, num_accepted=num, bonus_tokens=bonus)
+    return VerifyResult.of(accepted, num, bonus)
