@@ -45,11 +45,47 @@ def test_grow_truncate_free_row_slots():
     assert cache.num_free_blocks == 1
     assert cache.req_to_token[row, :9].tolist() == first.tolist() + second.tolist()
     cache.truncate(row, 5)
-    assert cache.num_free_blocks == 2 and cache.req_to_token[row, 5:9].tolist() == [0, 0, 0, 0]
+    # Positions 5 .. 7 are still in the row's second block (its own slots); the freed third block's are cleared.
+    assert cache.num_free_blocks == 2 and cache.row_len[row] == 5
+    assert cache.req_to_token[row, :8].tolist() == (first.tolist() + second.tolist())[:8]
+    assert cache.req_to_token[row, 8:].sum() == 0
     cache.free_row(row)
     assert cache.num_free_blocks == 4 and cache.req_to_token.sum() == 0
     with pytest.raises(OutOfCacheBlocks):
         cache.grow(cache.alloc_row(), 17)
+
+
+def assert_table_covers_blocks(cache: KVCacheManager) -> None:
+    """Each row's table entries are the slots of its blocks' positions, and 0 past them."""
+    size, width = cache.block_size, cache.max_context_len
+    for row in range(cache.req_to_token.shape[0]):
+        blocks = cache.row_blocks.get(row, [])
+        expected = [b * size + i for b in blocks for i in range(size)][:width]
+        assert cache.req_to_token[row].tolist() == expected + [0] * (width - len(expected))
+
+
+def test_the_table_is_written_a_block_at_a_time():
+    cache = KVCacheManager(
+        num_layers=1, kv_cache_dim=4, num_blocks=30, block_size=4, max_requests=3, max_context_len=18, dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(0)
+    rows = [cache.alloc_row() for _ in range(3)]
+    for _ in range(200):
+        row = rows[int(torch.randint(0, 3, (1,), generator=g))]
+        length = int(torch.randint(0, 19, (1,), generator=g))  # 18: the last block sticks out of the table
+        if length >= cache.row_len[row]:
+            new = cache.grow(row, length)
+            assert new.tolist() == cache.req_to_token[row, length - len(new) : length].tolist()
+        else:
+            cache.truncate(row, length)
+        assert_table_covers_blocks(cache)
+        if int(torch.randint(0, 20, (1,), generator=g)) == 0:
+            cache.free_row(row)
+            assert cache.alloc_row() == row
+    cache.free_row(rows[0])
+    adopted = cache.allocator.allocate(2)  # as a prefix-cache hit hands them over
+    cache.adopt_blocks(cache.alloc_row(), adopted, 8)
+    assert_table_covers_blocks(cache)
 
 
 def test_growing_and_truncating_several_rows_at_once_equals_doing_each():
@@ -75,6 +111,7 @@ def test_growing_and_truncating_several_rows_at_once_equals_doing_each():
         assert torch.equal(at_once.req_to_token, one_by_one.req_to_token)
         assert at_once.row_blocks == one_by_one.row_blocks and at_once.row_len == one_by_one.row_len
         assert at_once.num_free_blocks == one_by_one.num_free_blocks
+        assert_table_covers_blocks(at_once)
     with pytest.raises(ValueError):
         at_once.grow_rows(rows, [9, 3, 0])  # row 0 would shrink
     with pytest.raises(OutOfCacheBlocks):

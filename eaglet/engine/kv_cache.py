@@ -11,6 +11,11 @@ counts hands blocks to requests (a block shared by a prefix cache holds several 
 
 Block 0 is reserved: its slots are the padding target of unused table entries, never written by a
 real token, so a padded gather can never read another request's data by accident.
+
+The request-to-slots table is written a block at a time: a row's entries hold the slots of every
+position its blocks cover (also those past its length, which are its own slots), and 0 past its
+blocks. So growing or cutting a row within its blocks (a speculative round's scratch, a decode
+step) writes nothing to the table.
 """
 
 from __future__ import annotations
@@ -136,6 +141,10 @@ class KVCacheManager:
         if self.blocks_needed(num_tokens) != len(blocks):
             raise ValueError(f"{len(blocks)} blocks cannot hold exactly {num_tokens} tokens")
         self.row_blocks[row] = list(blocks)
+        table_index: list[int] = []
+        table_slots: list[int] = []
+        self._block_entries(row, 0, table_index, table_slots)
+        self._write_table(table_index, table_slots)
         self.grow(row, num_tokens)
 
     def grow(self, row: int, new_len: int) -> torch.Tensor:
@@ -145,63 +154,76 @@ class KVCacheManager:
     def grow_rows(self, rows: list[int], new_lens: list[int]) -> torch.Tensor:
         """Extends each row to its new length; returns the slots of every row's new positions,
         concatenated in row order. The slots are computed block by block in Python (a decode step
-        adds one position per row) and written to the table in one op."""
+        adds one position per row); the table is written only for newly allocated blocks."""
         old_lens = [self.row_len[row] for row in rows]
         if any(new < old for old, new in zip(old_lens, new_lens)):
             raise ValueError("grow_rows only grows rows; truncate shortens them")
         longest = max(new_lens, default=0)
         if longest > self.max_context_len:
             raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
-        size, width = self.block_size, self.max_context_len
+        size = self.block_size
         table_index: list[int] = []
-        slots: list[int] = []
+        table_slots: list[int] = []
         for row, new in zip(rows, new_lens):
             blocks = self.row_blocks[row]
             missing = self.blocks_needed(new) - len(blocks)
             if missing > 0:
+                first = len(blocks)
                 blocks.extend(self.allocator.allocate(missing))
+                self._block_entries(row, first, table_index, table_slots)
+        slots: list[int] = []
         for row, old, new in zip(rows, old_lens, new_lens):
             if new == old:
                 continue
             blocks = self.row_blocks[row]
-            table_index.extend(range(row * width + old, row * width + new))
             for block_index in range(old // size, (new - 1) // size + 1):
                 base = blocks[block_index] * size
                 slots.extend(range(base + max(old - block_index * size, 0), base + min(new - block_index * size, size)))
             self.row_len[row] = new
-        if not slots:
-            return torch.empty(0, dtype=torch.long)
-        # Table positions and slots in one host-to-tensor copy (a small copy costs ~10 us in a decode step).
-        table_index_t, slots_t = torch.tensor([table_index, slots], dtype=torch.long).unbind(0)
-        device = self.req_to_token.device
-        self.req_to_token.view(-1)[table_index_t.to(device)] = slots_t.to(device)
-        return slots_t
+        self._write_table(table_index, table_slots)
+        return torch.tensor(slots, dtype=torch.long)
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
         self.truncate_rows([row], [new_len])
 
     def truncate_rows(self, rows: list[int], new_lens: list[int]) -> None:
-        """``truncate`` for several rows, with one table write."""
-        width = self.max_context_len
+        """``truncate`` for several rows; the table is cleared only where blocks are freed."""
+        size, width = self.block_size, self.max_context_len
         table_index: list[int] = []
         for row, new_len in zip(rows, new_lens):
             keep = self.blocks_needed(new_len)
             blocks = self.row_blocks[row]
             if len(blocks) > keep:
+                table_index.extend(range(row * width + keep * size, row * width + min(len(blocks) * size, width)))
                 self.allocator.decref(blocks[keep:])
                 del blocks[keep:]
-            old_len = self.row_len[row]
-            if new_len < old_len:
-                table_index.extend(range(row * width + new_len, row * width + old_len))
-                self.row_len[row] = new_len
-        if table_index:
-            self.req_to_token.view(-1)[torch.tensor(table_index, device=self.req_to_token.device)] = 0
+            self.row_len[row] = min(self.row_len[row], new_len)
+        self._write_table(table_index, [0] * len(table_index))
 
     def free_row(self, row: int) -> None:
-        self.allocator.decref(self.row_blocks.pop(row))
-        self.req_to_token[row, : self.row_len.pop(row)] = 0
+        blocks = self.row_blocks.pop(row)
+        self.allocator.decref(blocks)
+        self.req_to_token[row, : len(blocks) * self.block_size] = 0
+        self.row_len.pop(row)
         self._free_rows.append(row)
+
+    def _block_entries(self, row: int, first: int, table_index: list[int], table_slots: list[int]) -> None:
+        """Appends the table entries of the row's blocks from block index ``first`` on."""
+        size, width = self.block_size, self.max_context_len
+        for block_index in range(first, len(self.row_blocks[row])):
+            start = block_index * size
+            count = min(size, width - start)  # the table may end inside the last block
+            table_index.extend(range(row * width + start, row * width + start + count))
+            base = self.row_blocks[row][block_index] * size
+            table_slots.extend(range(base, base + count))
+
+    def _write_table(self, table_index: list[int], values: list[int]) -> None:
+        """Writes table entries (flat indices) in one host-to-tensor copy and one scatter."""
+        if not table_index:
+            return
+        index, values_t = torch.tensor([table_index, values], dtype=torch.long, device=self.req_to_token.device).unbind(0)
+        self.req_to_token.view(-1)[index] = values_t
 
     def add_pool(self, pool):  # -> the pool
         """Registers another model's buffers (an EAGLE-3 draft) over the same slots."""
