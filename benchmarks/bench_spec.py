@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             rates["plain"].append(rate)
             for name, llm in spec.items():
                 worker = llm.engine.spec_worker
-                worker.timer.__init__()
+                worker.timer.reset()
                 before = llm.spec_metrics()
                 rate, out = decode_rate(llm, prompts, args.new_tokens)
                 assert [o.token_ids for o in out] == [o.token_ids for o in plain_out], "speculation changed the output"

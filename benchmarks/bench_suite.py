@@ -200,7 +200,7 @@ def run_eaglet(llm, prompts: list, new_tokens: int, ignore_eos: bool = True) -> 
     engine = llm.engine
     worker = engine.spec_worker
     if worker is not None:
-        worker.timer.__init__()
+        worker.timer.reset()
     before = llm.spec_metrics()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
     gc.collect()

@@ -61,7 +61,12 @@ def _load() -> str | None:
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         logger.warning("eaglet CPU kernels unavailable, using PyTorch ops (%s)", reason)
         return reason
+    global _loaded
+    _loaded = True
     return None
+
+
+_loaded = False  # set once the kernels are loaded (read on hot paths by loaded())
 
 
 def available() -> bool:
@@ -76,7 +81,7 @@ def unavailable_reason() -> str | None:
 def loaded() -> bool:
     """Whether the kernels are loaded already; unlike ``available()``, never starts a build (for
     hot paths that use a kernel only where a model load has built them)."""
-    return _load.cache_info().currsize > 0 and _load() is None
+    return _loaded
 
 
 def use_cpu_kernels(model: torch.nn.Module) -> int:

@@ -153,10 +153,10 @@ class FusedMidlayer:
 
     def draft_chain(
         self, draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, backend: AttentionBackend,
-        row_slots: torch.Tensor, prefix: list[int], steps: int,
+        row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
     ) -> torch.Tensor | None:
-        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``): target ids
-        [B, steps], or None where the per-step Eagle3Draft.forward must run (it would not take the
+        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) after each request's
+        ``prefix`` (also as the tensor ``prefix_t``): target ids [B, steps], or None where the per-step Eagle3Draft.forward must run (it would not take the
         AMX kernels throughout)."""
         lm_head = draft.lm_head_module()
         tiles = amx_tiles(lm_head.weight)
@@ -170,5 +170,5 @@ class FusedMidlayer:
         table = draft.rotary.table_as(max(prefix) + steps, dtype)
         return self.stack.draft_chain(
             tokens, hidden, embed, table, draft.norm.weight, draft.norm.eps, tiles, lm_head.weight.shape[0], lm_head.bias,
-            draft.d2t, draft.config.norm_output, backend.pool.kv, row_slots, torch.tensor(prefix), steps,
+            draft.d2t, draft.config.norm_output, backend.pool.kv, row_slots, prefix_t, steps,
         )

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,14 +101,11 @@ class EagleWorker:
             hidden=torch.zeros(rows, draft_config.hidden_size, dtype=dtype, device=cache.device),
         )
         self.timer = PhaseTimer()
+        # Time the model forwards; decode() books the rest of a round as bookkeeping.
+        self._draft_clock, self._verify_clock = self.timer.clock("draft"), self.timer.clock("verify")
         self.catch_up_seconds = 0.0  # of the last round: the draft extend over positions decoded plain
+        self._chain_index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, n) -> parents, depths
 
-    @contextmanager
-    def _phase(self, name: str):
-        """Times a model forward; decode() books the rest of the round as bookkeeping."""
-        start = time.perf_counter()
-        yield
-        self.timer.add(name, time.perf_counter() - start)
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -217,7 +213,7 @@ class EagleWorker:
             mode=ForwardMode.EXTEND,
         )
         features = torch.stack([f for r in lagging for f in r.draft_pending_features])
-        with self._phase("draft"):
+        with self._draft_clock:
             out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
         self._set_draft_states(batch.req_pool_indices, out.logits, out.hidden_out)
         for req in lagging:
@@ -242,15 +238,15 @@ class EagleWorker:
         if topk > spec.eagle_topk or num_draft_tokens > spec.scratch_len:
             raise ValueError(f"a round of top-{topk} and {num_draft_tokens} tokens exceeds the configured shape")
         start = time.perf_counter()
-        model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify"))
+        seconds = self.timer.seconds
+        model_seconds = seconds["draft"] + seconds["verify"]
         self.catch_up(requests)
         self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
         tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk)
         result, raw_logits, features = self._verify(requests, round_rows, tree, is_chain=topk == 1)
         round_result = self._commit(requests, round_rows, tree, result, raw_logits, features, is_chain=topk == 1)
-        model_seconds = sum(self.timer.seconds[p] for p in ("draft", "verify")) - model_seconds
-        self.timer.add("bookkeeping", time.perf_counter() - start - model_seconds)
+        seconds["bookkeeping"] += time.perf_counter() - start - (seconds["draft"] + seconds["verify"] - model_seconds)
         self.timer.rounds += 1
         return round_result
 
@@ -287,7 +283,7 @@ class EagleWorker:
             own = (step - 1) * k + torch.arange(k)
             ancestry[:, torch.arange(k), own] = True
             step_batch = self._draft_step_batch(round_rows, frontier_tokens, ancestry, step)
-            with self._phase("draft"):
+            with self._draft_clock:
                 out = self.draft(
                     step_batch, self.draft_backend, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
                 )
@@ -313,27 +309,34 @@ class EagleWorker:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
         path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
         batch_size = len(requests)
-        tokens = [round_rows.roots, self.states.topk_tokens[round_rows.rows_t, 0]][: length + 1]
+        tokens = [round_rows.roots, self.states.topk_tokens[round_rows.rows_t, 0]][: length + 1]  # [B] each
+        num_tokens = len(tokens)
         hidden = self.states.hidden[round_rows.rows_t]
         fused = self.draft.fused_midlayer
         if length > 1 and fused is not None:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
             row_slots = self.cache.req_to_token[round_rows.rows_t, : max(round_rows.prefix) + length - 1]
-            with self._phase("draft"):
+            with self._draft_clock:
                 drafted = fused.draft_chain(
-                    self.draft, tokens[-1], hidden, self.draft_backend, row_slots, round_rows.prefix, length - 1
+                    self.draft, tokens[-1], hidden, self.draft_backend, row_slots, round_rows.prefix,
+                    round_rows.prefix_t, length - 1,
                 )
             if drafted is not None:
-                tokens += drafted.unbind(1)
-        for step in range(len(tokens) - 1, length):
+                tokens.append(drafted)  # [B, length - 1]: the chain is complete
+                num_tokens = length + 1
+        for step in range(num_tokens - 1, length):
             step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
-            with self._phase("draft"):
+            with self._draft_clock:
                 out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
             tokens.append(self.draft.to_target_ids(greedy_tokens(out.logits)))
             hidden = out.hidden_out
-        n = len(tokens)
-        index = torch.arange(n).expand(batch_size, n)
-        return DraftTree(tokens=torch.stack(tokens, dim=1), parents=index - 1, depths=index)
+        chain = torch.cat([t.view(batch_size, -1) for t in tokens], dim=1)
+        n = chain.shape[1]
+        if (batch_size, n) not in self._chain_index:  # the same for every chain of this size
+            index = torch.arange(n).expand(batch_size, n)
+            self._chain_index[batch_size, n] = (index - 1, index)
+        parents, depths = self._chain_index[batch_size, n]
+        return DraftTree(tokens=chain, parents=parents, depths=depths)
 
     def _draft_step_batch(
         self, round_rows: RoundRows, frontier_tokens: torch.Tensor, ancestry: torch.Tensor | None, step: int
@@ -383,7 +386,7 @@ class EagleWorker:
             # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
             custom_mask=None if is_chain else tree_attention_mask(tree, prefix, max(round_rows.prefix) + n),
         )
-        with self._phase("verify"):
+        with self._verify_clock:
             output = self.runner.model(batch, self.runner.backend)
         raw_logits = output.logits.view(batch_size, n, -1)
         logits = self._process_tree_logits(requests, tree, raw_logits)
@@ -459,7 +462,7 @@ class EagleWorker:
             positions=positions,
             mode=ForwardMode.EXTEND,
         )
-        with self._phase("draft"):
+        with self._draft_clock:
             out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
         self._set_draft_states(round_rows.rows_t, out.logits, out.hidden_out)
         return RoundResult(new_tokens, accepted)
