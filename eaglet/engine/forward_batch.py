@@ -130,22 +130,20 @@ class ForwardBatch:
         """Derives every offset from the per-request lengths, so callers cannot get them inconsistent."""
         if len(req_pool_indices) != len(extend_prefix_lens) or len(extend_prefix_lens) != len(extend_seq_lens):
             raise ValueError("req_pool_indices, extend_prefix_lens and extend_seq_lens differ in length")
-        if any(n <= 0 for n in extend_seq_lens):
+        if extend_seq_lens and min(extend_seq_lens) <= 0:
             raise ValueError("every request in a forward batch needs at least one new token")
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
-        total = sum(extend_seq_lens)
+        start_loc_cpu = list(itertools.accumulate(extend_seq_lens, initial=0))
+        total = start_loc_cpu.pop()
         if ids.shape[0] != total or out_cache_loc.shape[0] != total:
             raise ValueError(f"flat buffer holds {ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
         seq_lens_cpu = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
-        start_loc_cpu = list(itertools.accumulate(extend_seq_lens, initial=0))[:-1]
-        last_token_cpu = [s + n - 1 for s, n in zip(start_loc_cpu, extend_seq_lens)]
-        # The per-request vectors in one host-to-tensor copy: rows of a [6, B] tensor.
-        per_request = torch.tensor(
-            [extend_seq_lens, extend_prefix_lens, start_loc_cpu, seq_lens_cpu, list(req_pool_indices), last_token_cpu],
-            dtype=torch.long,
-            device=device,
-        )
-        ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, last_tokens = per_request.unbind(0)
+        vectors = [extend_seq_lens, extend_prefix_lens, start_loc_cpu, seq_lens_cpu, req_pool_indices]
+        if logits_indices is None:  # each request's last token
+            vectors.append([s + n - 1 for s, n in zip(start_loc_cpu, extend_seq_lens)])
+        # The per-request vectors in one host-to-tensor copy: rows of a [5 or 6, B] tensor.
+        per_request = torch.tensor(vectors, dtype=torch.long, device=device)
+        ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, *last_tokens = per_request.unbind(0)
         if positions is None:
             positions = torch.tensor(
                 list(itertools.chain.from_iterable(range(p, p + n) for p, n in zip(extend_prefix_lens, extend_seq_lens))),
@@ -154,7 +152,7 @@ class ForwardBatch:
         if mode is None:
             mode = ForwardMode.DECODE if all(n == 1 for n in extend_seq_lens) else ForwardMode.EXTEND
         if logits_indices is None:
-            logits_indices = last_tokens
+            logits_indices = last_tokens[0]
         return cls(
             mode=mode,
             input_ids=ids,

@@ -63,6 +63,8 @@ class RoundRows:
     prefix_t: torch.Tensor  # [B] prefix, as a tensor
     roots: torch.Tensor  # [B] each request's root token (its last output token, not yet cached)
     slots: torch.Tensor  # [B, scratch_len] cache slots of row indices prefix .. prefix + scratch_len - 1
+    # Every request greedy, without logits processing or logprobs: the round skips their handling.
+    greedy_only: bool
 
 
 @dataclass
@@ -105,6 +107,7 @@ class EagleWorker:
         self._draft_clock, self._verify_clock = self.timer.clock("draft"), self.timer.clock("verify")
         self.catch_up_seconds = 0.0  # of the last round: the draft extend over positions decoded plain
         self._chain_index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, n) -> parents, depths
+        self._aranges: dict[int, torch.Tensor] = {}
 
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -160,6 +163,12 @@ class EagleWorker:
         )
         out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
         self._set_draft_states(target_batch.req_pool_indices, out.logits, out.hidden_out)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """torch.arange(n), made once per n (rounds of one shape ask for the same ones; read-only)."""
+        if n not in self._aranges:
+            self._aranges[n] = torch.arange(n)
+        return self._aranges[n]
 
     def draft_state(self, req: Request) -> DraftState:
         """A copy of the request's state (its row of ``states``)."""
@@ -260,7 +269,10 @@ class EagleWorker:
         # The grown slots are row indices prefix .. prefix + scratch - 1 of every row, in row order.
         slots = self.cache.grow_rows(rows, [p + scratch for p in prefix]).view(len(rows), scratch)
         rows_t, prefix_t, roots = torch.tensor([rows, prefix, [r.output_token_ids[-1] for r in requests]]).unbind(0)
-        return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots)
+        greedy_only = not any(
+            not p.greedy or p.needs_logits_processing or p.logprobs is not None for p in (r.sampling_params for r in requests)
+        )
+        return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots, greedy_only)
 
     def _draft_tree(
         self, requests: list[Request], round_rows: RoundRows, steps: int, num_draft_tokens: int, k: int
@@ -364,7 +376,7 @@ class EagleWorker:
             out_cache_loc=round_rows.slots[:, first : first + k].reshape(-1),
             positions=positions if k == 1 else positions.repeat_interleave(k),
             mode=ForwardMode.VERIFY,
-            logits_indices=torch.arange(batch_size * k),
+            logits_indices=self._arange(batch_size * k),
             custom_mask=mask,
         )
 
@@ -381,7 +393,7 @@ class EagleWorker:
             out_cache_loc=round_rows.slots[:, :n].reshape(-1),
             positions=(prefix[:, None] + tree.depths).reshape(-1),
             mode=ForwardMode.VERIFY,
-            logits_indices=torch.arange(batch_size * n),
+            logits_indices=self._arange(batch_size * n),
             capture_layers=self.capture_layers,
             # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
             custom_mask=None if is_chain else tree_attention_mask(tree, prefix, max(round_rows.prefix) + n),
@@ -389,9 +401,9 @@ class EagleWorker:
         with self._verify_clock:
             output = self.runner.model(batch, self.runner.backend)
         raw_logits = output.logits.view(batch_size, n, -1)
-        logits = self._process_tree_logits(requests, tree, raw_logits)
+        logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         params = [r.sampling_params for r in requests]
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled_rows = [] if round_rows.greedy_only else [i for i, p in enumerate(params) if not p.greedy]
         if is_chain:
             result = verify_greedy_chain(tree.tokens, logits)
         else:
@@ -448,7 +460,7 @@ class EagleWorker:
         self.cache.truncate_rows(round_rows.rows, [p + 1 + a for p, a in zip(round_rows.prefix, accepted)])
         for req, a in zip(requests, accepted):
             req.num_cached_tokens += 1 + a
-        if any(r.sampling_params.logprobs is not None for r in requests):
+        if not round_rows.greedy_only and any(r.sampling_params.logprobs is not None for r in requests):
             # Logprobs of each emitted token come from the target's logits at its parent node.
             path = torch.cat([torch.zeros_like(result.num_accepted)[:, None], result.accepted_nodes.clamp(min=0)], dim=1)
             parent_logits = raw_logits.gather(1, path[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
