@@ -13,6 +13,7 @@ from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
 from draft_checkpoints import write_eagle3_draft
 from safetensors.torch import load_file, save_file
 
+from eaglet import kernels
 from eaglet.config import parse_model_config
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager
@@ -111,6 +112,12 @@ def test_round_trip(tmp_path, target, case):
     else:
         assert torch.equal(targets, ids) and bool(draft.t2d.all())
     assert bool(draft.t2d[targets].all()) and int(draft.t2d.sum()) == config.draft_vocab_size
+    # The draft's greedy pick in target ids: the kernel (argmax and offset in one call) and the PyTorch ops.
+    logits = torch.randint(0, 3, (5, config.draft_vocab_size)).float()  # ties: the first maximum wins
+    expected = draft.to_target_ids(logits.argmax(-1))
+    assert torch.equal(draft.greedy_target_ids(logits), expected)
+    if kernels.available():
+        assert torch.equal(torch.ops.eaglet.argmax_last_dim(logits.bfloat16(), draft.d2t), expected)
 
 
 def test_t2d_derived_from_d2t_when_absent(tmp_path, target):

@@ -547,8 +547,10 @@ def test_chain_verify_kernel_equals_the_python_walk(num_nodes, dtype):
             expected = _verify_greedy_chain(tokens, picks)
             for field in ("accepted_nodes", "num_accepted", "bonus_tokens"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), field
-    with pytest.raises(ValueError, match="matching tokens"):
+    with pytest.raises(RuntimeError, match="matching the tokens"):
         verify_greedy_chain(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 0))
+    with pytest.raises(RuntimeError, match="int64 tokens"):
+        verify_greedy_chain(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3, 4))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         torch.ops.eaglet.verify_chain_greedy(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 4, dtype=torch.float64))
 

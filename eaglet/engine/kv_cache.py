@@ -153,15 +153,27 @@ class KVCacheManager:
 
     def grow_rows(self, rows: list[int], new_lens: list[int]) -> torch.Tensor:
         """Extends each row to its new length; returns the slots of every row's new positions,
-        concatenated in row order. The slots are computed block by block in Python (a decode step
-        adds one position per row); the table is written only for newly allocated blocks."""
+        concatenated in row order, computed block by block in Python (a decode step adds one
+        position per row)."""
         old_lens = [self.row_len[row] for row in rows]
-        if any(new < old for old, new in zip(old_lens, new_lens)):
+        self.reserve_rows(rows, new_lens)
+        size = self.block_size
+        slots: list[int] = []
+        for row, old, new in zip(rows, old_lens, new_lens):
+            blocks = self.row_blocks[row]
+            for block_index in range(old // size, (new - 1) // size + 1) if new > old else ():
+                base = blocks[block_index] * size
+                slots.extend(range(base + max(old - block_index * size, 0), base + min(new - block_index * size, size)))
+        return torch.tensor(slots, dtype=torch.long)
+
+    def reserve_rows(self, rows: list[int], new_lens: list[int]) -> None:
+        """``grow_rows`` for callers that read the new slots from the table; the table is written
+        only for newly allocated blocks."""
+        if any(new < self.row_len[row] for row, new in zip(rows, new_lens)):
             raise ValueError("grow_rows only grows rows; truncate shortens them")
         longest = max(new_lens, default=0)
         if longest > self.max_context_len:
             raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
-        size = self.block_size
         table_index: list[int] = []
         table_slots: list[int] = []
         for row, new in zip(rows, new_lens):
@@ -171,17 +183,8 @@ class KVCacheManager:
                 first = len(blocks)
                 blocks.extend(self.allocator.allocate(missing))
                 self._block_entries(row, first, table_index, table_slots)
-        slots: list[int] = []
-        for row, old, new in zip(rows, old_lens, new_lens):
-            if new == old:
-                continue
-            blocks = self.row_blocks[row]
-            for block_index in range(old // size, (new - 1) // size + 1):
-                base = blocks[block_index] * size
-                slots.extend(range(base + max(old - block_index * size, 0), base + min(new - block_index * size, size)))
             self.row_len[row] = new
         self._write_table(table_index, table_slots)
-        return torch.tensor(slots, dtype=torch.long)
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""

@@ -289,17 +289,28 @@ int64_t argmax_row(const T* x, int64_t n) {
 #endif
 }
 
-at::Tensor argmax_last_dim(const at::Tensor& logits) {
+// The argmax i of each row, or i + offsets[i] with ``offsets`` (an EAGLE-3 draft's d2t: draft ids to target ids).
+at::Tensor argmax_last_dim(const at::Tensor& logits, const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) > 0, "argmax_last_dim: a non-empty last dimension");
   const at::Tensor x = logits.contiguous();
   const int64_t n = x.size(-1);
   const int64_t rows = x.numel() / n;
+  at::Tensor offsets_c;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == n && offsets->scalar_type() == at::kLong,
+                "argmax_last_dim: int64 offsets, one per column");
+    offsets_c = offsets->contiguous();
+  }
+  const int64_t* offp = offsets_c.defined() ? offsets_c.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, (kParallelWork * 8) / n);
   const auto run = [&](const auto* xp) {
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t i = argmax_row(xp + r * n, n);
+        op[r] = offp ? i + offp[i] : i;
+      }
     });
   };
   if (x.scalar_type() == at::kBFloat16) {
@@ -1551,7 +1562,7 @@ TORCH_LIBRARY(eaglet, m) {
       .def("forward_eagle3", &DecoderStack::forward_eagle3)
       .def("draft_chain", &DecoderStack::draft_chain);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("argmax_last_dim(Tensor logits) -> Tensor");
+  m.def("argmax_last_dim(Tensor logits, Tensor? offsets=None) -> Tensor");
   m.def("verify_chain_greedy(Tensor tokens, Tensor logits) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from eaglet import kernels
 from eaglet.config import ModelConfig, TextConfig, parse_text_config, read_config_json
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
@@ -51,6 +52,7 @@ from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
+from eaglet.layers.sampler import greedy_tokens
 from eaglet.models.loader import checkpoint_files, load_weights, skip_init
 
 if TYPE_CHECKING:
@@ -455,6 +457,12 @@ class Eagle3Draft(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def greedy_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target ids of the draft's argmax over its vocabulary (one kernel call where loaded)."""
+        if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
+            return torch.ops.eaglet.argmax_last_dim(logits, self.d2t)
+        return self.to_target_ids(greedy_tokens(logits))
 
     def forward(
         self,

@@ -34,7 +34,7 @@ from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
-from eaglet.layers.sampler import greedy_tokens, shaped_probs, top_k_logprobs
+from eaglet.layers.sampler import shaped_probs, top_k_logprobs
 from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
@@ -181,7 +181,7 @@ class EagleWorker:
         (the argmax of the logits is that of their log-probabilities)."""
         k = self.spec.eagle_topk
         if k == 1:
-            self.states.topk_tokens[rows, 0] = self.draft.to_target_ids(greedy_tokens(logits))
+            self.states.topk_tokens[rows, 0] = self.draft.greedy_target_ids(logits)
         else:
             logprobs, top_ids = top_k_logprobs(logits, k)
             self.states.topk_tokens[rows] = self.draft.to_target_ids(top_ids)
@@ -266,9 +266,10 @@ class EagleWorker:
         if any(self.cache.row_len[row] != p for row, p in zip(rows, prefix)):
             raise RuntimeError("a speculative round needs every cache row to hold exactly its request's committed tokens")
         scratch = self.spec.scratch_len
-        # The grown slots are row indices prefix .. prefix + scratch - 1 of every row, in row order.
-        slots = self.cache.grow_rows(rows, [p + scratch for p in prefix]).view(len(rows), scratch)
+        self.cache.reserve_rows(rows, [p + scratch for p in prefix])
         rows_t, prefix_t, roots = torch.tensor([rows, prefix, [r.output_token_ids[-1] for r in requests]]).unbind(0)
+        # The slots of row indices prefix .. prefix + scratch - 1 of every row.
+        slots = self.cache.req_to_token[rows_t[:, None], prefix_t[:, None] + self._arange(scratch)]
         greedy_only = not any(
             not p.greedy or p.needs_logits_processing or p.logprobs is not None for p in (r.sampling_params for r in requests)
         )
@@ -279,7 +280,6 @@ class EagleWorker:
     ) -> DraftTree:
         if k == 1:
             return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
-        prefix = round_rows.prefix_t
         batch_size = len(requests)
         recorder = CandidateRecorder()
         frontier_tokens = self.states.topk_tokens[round_rows.rows_t, :k]  # [B, k]
@@ -340,7 +340,7 @@ class EagleWorker:
             step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
             with self._draft_clock:
                 out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
-            tokens.append(self.draft.to_target_ids(greedy_tokens(out.logits)))
+            tokens.append(self.draft.greedy_target_ids(out.logits))
             hidden = out.hidden_out
         chain = torch.cat([t.view(batch_size, -1) for t in tokens], dim=1)
         n = chain.shape[1]

@@ -187,10 +187,10 @@ def verify_greedy_chain(tokens: torch.Tensor, logits: torch.Tensor) -> VerifyRes
     """``verify_greedy`` for a chain (node i's parent is i - 1), which the caller knows it drafted:
     one kernel call where the CPU kernels are loaded (it reduces each request's logits only up to
     its first rejected node)."""
+    if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
+        return VerifyResult(torch.ops.eaglet.verify_chain_greedy(tokens, logits))  # it checks the shapes
     if tokens.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != tokens.shape or logits.shape[2] == 0:
         raise ValueError(f"logits must be [B, N, V] matching tokens {tuple(tokens.shape)}, got {tuple(logits.shape)}")
-    if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
-        return VerifyResult(torch.ops.eaglet.verify_chain_greedy(tokens.long(), logits))
     return _verify_greedy_chain(tokens.long(), greedy_tokens(logits))
 
 
