@@ -246,3 +246,13 @@ def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_besi
         for r in rows:
             cache.free_row(r)
     assert torch.equal(decoded, verified)
+
+
+def test_long_tensor_equals_torch_tensor():
+    from eaglet.engine.forward_batch import long_tensor
+
+    for values in ([], [0], [3, -1, 2**62, -(2**63)], list(range(100))):
+        got = long_tensor(values)
+        assert got.dtype == torch.long and torch.equal(got, torch.tensor(values, dtype=torch.long))
+    with pytest.raises(OverflowError):
+        long_tensor([2**63])

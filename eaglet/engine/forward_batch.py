@@ -32,11 +32,21 @@ along the hidden dimension, at every token (EAGLE-3 reads three of them).
 
 from __future__ import annotations
 
+import array
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long)`` for a flat list, through an int64 array: 4-6x
+    faster for the short lists of a decode step (torch.tensor parses every element as a Python
+    object; about 6 us for 80 ints where this takes 1.5)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 
 class ForwardMode(Enum):
@@ -138,16 +148,15 @@ class ForwardBatch:
         if ids.shape[0] != total or out_cache_loc.shape[0] != total:
             raise ValueError(f"flat buffer holds {ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
         seq_lens_cpu = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
-        vectors = [extend_seq_lens, extend_prefix_lens, start_loc_cpu, seq_lens_cpu, req_pool_indices]
+        vectors = [*extend_seq_lens, *extend_prefix_lens, *start_loc_cpu, *seq_lens_cpu, *req_pool_indices]
         if logits_indices is None:  # each request's last token
-            vectors.append([s + n - 1 for s, n in zip(start_loc_cpu, extend_seq_lens)])
+            vectors += [s + n - 1 for s, n in zip(start_loc_cpu, extend_seq_lens)]
         # The per-request vectors in one host-to-tensor copy: rows of a [5 or 6, B] tensor.
-        per_request = torch.tensor(vectors, dtype=torch.long, device=device)
+        per_request = long_tensor(vectors).view(len(vectors) // max(1, len(extend_seq_lens)), len(extend_seq_lens)).to(device)
         ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, *last_tokens = per_request.unbind(0)
         if positions is None:
-            positions = torch.tensor(
-                list(itertools.chain.from_iterable(range(p, p + n) for p, n in zip(extend_prefix_lens, extend_seq_lens))),
-                dtype=torch.long,
+            positions = long_tensor(
+                list(itertools.chain.from_iterable(range(p, p + n) for p, n in zip(extend_prefix_lens, extend_seq_lens)))
             ).to(device)
         if mode is None:
             mode = ForwardMode.DECODE if all(n == 1 for n in extend_seq_lens) else ForwardMode.EXTEND

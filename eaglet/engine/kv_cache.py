@@ -24,6 +24,8 @@ from collections import deque
 
 import torch
 
+from eaglet.engine.forward_batch import long_tensor
+
 from eaglet.errors import EagletError
 
 
@@ -164,7 +166,7 @@ class KVCacheManager:
             for block_index in range(old // size, (new - 1) // size + 1) if new > old else ():
                 base = blocks[block_index] * size
                 slots.extend(range(base + max(old - block_index * size, 0), base + min(new - block_index * size, size)))
-        return torch.tensor(slots, dtype=torch.long)
+        return long_tensor(slots)
 
     def reserve_rows(self, rows: list[int], new_lens: list[int]) -> None:
         """``grow_rows`` for callers that read the new slots from the table; the table is written
@@ -225,7 +227,7 @@ class KVCacheManager:
         """Writes table entries (flat indices) in one host-to-tensor copy and one scatter."""
         if not table_index:
             return
-        index, values_t = torch.tensor([table_index, values], dtype=torch.long, device=self.req_to_token.device).unbind(0)
+        index, values_t = long_tensor(table_index + values).view(2, -1).to(self.req_to_token.device).unbind(0)
         self.req_to_token.view(-1)[index] = values_t
 
     def add_pool(self, pool):  # -> the pool

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.engine.forward_batch import ForwardBatch, ForwardMode, long_tensor
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, record_logprobs
@@ -267,9 +267,13 @@ class EagleWorker:
             raise RuntimeError("a speculative round needs every cache row to hold exactly its request's committed tokens")
         scratch = self.spec.scratch_len
         self.cache.reserve_rows(rows, [p + scratch for p in prefix])
-        rows_t, prefix_t, roots = torch.tensor([rows, prefix, [r.output_token_ids[-1] for r in requests]]).unbind(0)
-        # The slots of row indices prefix .. prefix + scratch - 1 of every row.
-        slots = self.cache.req_to_token[rows_t[:, None], prefix_t[:, None] + self._arange(scratch)]
+        # Rows, prefixes, roots and the table entries of row indices prefix .. prefix + scratch - 1
+        # of every row, in one host-to-tensor copy.
+        width, batch_size = self.cache.max_context_len, len(rows)
+        entries = [row * width + p + i for row, p in zip(rows, prefix) for i in range(scratch)]
+        host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
+        rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
+        slots = self.cache.req_to_token.view(-1)[host[3 * batch_size :]].view(batch_size, scratch)
         greedy_only = not any(
             not p.greedy or p.needs_logits_processing or p.logprobs is not None for p in (r.sampling_params for r in requests)
         )
