@@ -599,3 +599,31 @@ def test_merging_sampled_rows_pads_their_shallower_paths():
     merged = greedy.with_rows(torch.tensor([0, 2]), sampled)
     assert merged.table.tolist() == [[1, 5, 2, -1, -1], [1, 8, 1, -1, -1], [0, 6, -1, -1, -1]]
     assert greedy.num_accepted.tolist() == [3, 1, 2]  # unchanged
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_verify_kernel_equals_the_python_walk(dtype):
+    """Random trees with padding nodes, duplicate sibling tokens (equally deep paths) and ties in
+    the logits: the kernel against argmax + the list walk; and the trees it rejects."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(300):
+        batch, n, vocab = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)), 3
+        parents = torch.full((batch, n), -1, dtype=torch.long)
+        for b in range(batch):
+            valid = [0]
+            for j in range(1, n):
+                if torch.rand(1, generator=g) < 0.8:  # else padding
+                    parents[b, j] = valid[int(torch.randint(0, len(valid), (1,), generator=g))]
+                    valid.append(j)
+        tokens = torch.randint(0, vocab, (batch, n), generator=g)
+        logits = torch.randint(0, 2, (batch, n, vocab), generator=g).to(dtype)
+        got = verify_greedy(tokens, parents, logits)
+        expected = _verify_greedy_tree(tokens, parents, logits.float().argmax(-1))
+        assert torch.equal(got.table, expected.table), (tokens, parents)
+    for bad, message in (([[0, 0]], "root"), ([[-1, 2, 0]], "earlier node"), ([[-1, -1, 1]], "padding node")):
+        bad_parents = torch.tensor(bad)
+        with pytest.raises(RuntimeError, match=message):
+            verify_greedy(torch.zeros_like(bad_parents), bad_parents, torch.zeros(1, bad_parents.shape[1], 4))
+        with pytest.raises(ValueError):
+            build_tree_index(bad_parents)

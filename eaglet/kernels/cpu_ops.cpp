@@ -361,6 +361,73 @@ at::Tensor verify_chain_greedy(const at::Tensor& tokens, const at::Tensor& logit
   return out;
 }
 
+// Greedy verification of trees (verify.py's _verify_greedy_tree): node j > 0 with parent -1 is
+// padding, every other parent is an earlier node that is not padding. The accepted path is the
+// deepest one whose every node's token is the target's pick after its parent, the lowest end node
+// among equally deep ones; the table's rows are [num_accepted, bonus, path nodes, -1 ...], D + 2
+// wide for the deepest tree D of the batch. A node's logits are reduced only if it is on a
+// matching path.
+at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0 && parents.sizes() == tokens.sizes() &&
+                  parents.scalar_type() == at::kLong,
+              "verify_tree_greedy: int64 tokens and parents [B, N] with N >= 1");
+  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) && logits.size(2) > 0,
+              "verify_tree_greedy: logits [B, N, V] matching the tokens, V >= 1");
+  const at::Tensor t = tokens.contiguous(), par = parents.contiguous(), x = logits.contiguous();
+  const int64_t batch = t.size(0), n = t.size(1), vocab = x.size(2);
+  const int64_t* tp = t.data_ptr<int64_t>();
+  const int64_t* pp = par.data_ptr<int64_t>();
+  std::vector<int64_t> depth(batch * n, -1);  // -1: padding
+  int64_t max_depth = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* row = pp + b * n;
+    int64_t* d = depth.data() + b * n;
+    TORCH_CHECK(row[0] == -1, "verify_tree_greedy: node 0 must be the root (parent -1)");
+    d[0] = 0;
+    for (int64_t j = 1; j < n; ++j) {
+      TORCH_CHECK(row[j] >= -1 && row[j] < j, "verify_tree_greedy: every node's parent must be -1 or an earlier node");
+      if (row[j] < 0) continue;
+      TORCH_CHECK(d[row[j]] >= 0, "verify_tree_greedy: a node's parent is a padding node");
+      d[j] = d[row[j]] + 1;
+      max_depth = std::max(max_depth, d[j]);
+    }
+  }
+  at::Tensor out = at::full({batch, max_depth + 2}, -1, t.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  const auto run = [&](const auto* xp) {
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> pick(n);
+      std::vector<char> matched(n);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t* row = pp + b * n;
+        const int64_t* d = depth.data() + b * n;
+        std::fill(pick.begin(), pick.end(), -1);
+        const auto pick_at = [&](int64_t node) {
+          if (pick[node] < 0) pick[node] = argmax_row(xp + (b * n + node) * vocab, vocab);
+          return pick[node];
+        };
+        matched[0] = 1;
+        int64_t best = 0;
+        for (int64_t j = 1; j < n; ++j) {
+          matched[j] = d[j] >= 0 && matched[row[j]] && tp[b * n + j] == pick_at(row[j]);
+          if (matched[j] && d[j] > d[best]) best = j;
+        }
+        int64_t* out_row = op + b * (max_depth + 2);
+        out_row[0] = d[best];
+        out_row[1] = pick_at(best);
+        for (int64_t node = best; node > 0; node = row[node]) out_row[1 + d[node]] = node;
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "verify_tree_greedy: bfloat16 or float32 logits");
+    run(x.data_ptr<float>());
+  }
+  return out;
+}
+
 // What a speculative round commits (eagle_worker._commit), from a verification's [B, D + 2] table
 // (per request: num_accepted, bonus token, accepted nodes), for requests whose path is the root
 // then their accepted nodes: T = sum(num_accepted + 1) entries, request after request, as the rows
@@ -1564,6 +1631,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_last_dim(Tensor logits, Tensor? offsets=None) -> Tensor");
   m.def("verify_chain_greedy(Tensor tokens, Tensor logits) -> Tensor");
+  m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");
@@ -1579,6 +1647,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("argmax_last_dim", argmax_last_dim);
   m.impl("verify_chain_greedy", verify_chain_greedy);
+  m.impl("verify_tree_greedy", verify_tree_greedy);
   m.impl("commit_table", commit_table);
   m.impl("noaux_route", noaux_route);
   m.impl("mla_absorbed_attention", mla_absorbed_attention);

@@ -221,7 +221,11 @@ def _greedy_result(accepted: list[list[int]], num: list[int], bonus: list[int], 
 
 
 def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
-    """Accepts the longest path whose tokens equal the target argmax at their parents."""
+    """Accepts the longest path whose tokens equal the target argmax at their parents: one kernel
+    call where the CPU kernels are loaded (it reduces only the logits of nodes on matching paths;
+    bad trees raise RuntimeError there, ValueError here)."""
+    if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
+        return VerifyResult(torch.ops.eaglet.verify_tree_greedy(tokens.long(), parents.long(), logits))
     _check_inputs(tokens, parents, logits, "logits")
     tokens, parents = tokens.long(), parents.long()
     batch, n = tokens.shape
