@@ -118,6 +118,11 @@ def test_round_trip(tmp_path, target, case):
     assert torch.equal(draft.greedy_target_ids(logits), expected)
     if kernels.available():
         assert torch.equal(torch.ops.eaglet.argmax_last_dim(logits.bfloat16(), draft.d2t), expected)
+    scores = torch.randn(5, config.draft_vocab_size)
+    values, target_ids = draft.top_k_target_ids(scores, 2)
+    top = scores.log_softmax(-1).topk(2)
+    assert torch.equal(target_ids, draft.to_target_ids(top.indices))
+    torch.testing.assert_close(values, top.values, atol=1e-5, rtol=1e-6)
 
 
 def test_t2d_derived_from_d2t_when_absent(tmp_path, target):

@@ -455,13 +455,33 @@ def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype, argmax_kernel,
 
 @pytest.mark.parametrize("vocab", [1000, 32000])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_top_k_logprobs_matches_log_softmax_topk(vocab, k):
+@pytest.mark.parametrize("topk_kernel", [True, False], ids=["kernel", "pytorch-ops"])
+def test_top_k_logprobs_matches_log_softmax_topk(vocab, k, topk_kernel, monkeypatch):
+    if topk_kernel and not kernels.available():
+        pytest.skip("eaglet CPU kernels unavailable")
+    if not topk_kernel:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
     g = torch.Generator().manual_seed(k)
     logits = torch.randn(9, vocab, generator=g) * 3
     logits[4, :VOCAB_BLOCK] += 20.0  # all of row 4's top k in one block
     logits[5, torch.arange(k) * VOCAB_BLOCK] = 30.0 + torch.arange(k)  # one per block, ascending
+    if topk_kernel:
+        logits[6, 100:110] = 25.0  # ties: the lower index first (torch's topk picks any)
+        logits[7, :] = -1e4  # exponentials below float32's range but the maximum's
+        logits[7, 3] = 0.0
     values, ids = top_k_logprobs(logits, k)
     expected = logits.log_softmax(dim=-1).topk(k, dim=-1)
-    assert torch.equal(ids, expected.indices)
-    assert torch.equal(values, expected.values)
+    if topk_kernel:  # its exp is a polynomial, within 2 ulp
+        order = torch.sort(-logits, dim=-1, stable=True).indices[:, :k]
+        assert torch.equal(ids, order)
+        torch.testing.assert_close(values, logits.log_softmax(dim=-1).gather(1, order), atol=1e-5, rtol=1e-6)
+        # bfloat16 logits (rounding makes ties): the stable order, lower index first.
+        rounded = logits.bfloat16().float().log_softmax(-1)
+        order = torch.sort(-rounded, dim=-1, stable=True).indices[:, :k]
+        bf16_values, bf16_ids = top_k_logprobs(logits.bfloat16(), k)
+        assert torch.equal(bf16_ids, order)
+        torch.testing.assert_close(bf16_values, rounded.gather(1, order), atol=1e-5, rtol=1e-6)
+    else:
+        assert torch.equal(ids, expected.indices)
+        assert torch.equal(values, expected.values)
     assert values.shape == ids.shape == (9, k)

@@ -322,6 +322,67 @@ at::Tensor argmax_last_dim(const at::Tensor& logits, const c10::optional<at::Ten
   return out;
 }
 
+// The k largest log-probabilities (log_softmax) of each row of [R, V] logits, largest first and the
+// lower index first among equal values: float32 values and int64 ids, i + offsets[i] with
+// ``offsets`` (an EAGLE-3 draft's d2t). One pass keeps the top k, one sums the exponentials.
+std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const c10::optional<at::Tensor>& offsets) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && k >= 1 && k <= logits.size(1),
+              "topk_logprobs: logits [R, V] and 1 <= k <= V");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  at::Tensor offsets_c;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == vocab && offsets->scalar_type() == at::kLong,
+                "topk_logprobs: int64 offsets, one per column");
+    offsets_c = offsets->contiguous();
+  }
+  const int64_t* offp = offsets_c.defined() ? offsets_c.data_ptr<int64_t>() : nullptr;
+  at::Tensor values = at::empty({rows, k}, x.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({rows, k}, x.options().dtype(at::kLong));
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, (kParallelWork * 8) / vocab);
+  const auto run = [&](const auto* xp) {
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(vocab);
+      for (int64_t r = begin; r < end; ++r) {
+        load_row(row.data(), xp + r * vocab, vocab);
+        float* best = vp + r * k;
+        int64_t* best_ids = ip + r * k;
+        int64_t count = 0;
+        float row_max = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < vocab; ++i) {
+          const float v = row[i];
+          row_max = std::max(row_max, v);
+          if (count == k && !(v > best[k - 1])) continue;
+          int64_t at = count < k ? count++ : k - 1;
+          for (; at > 0 && v > best[at - 1]; --at) {  // after the equal ones: the lower index stays first
+            best[at] = best[at - 1];
+            best_ids[at] = best_ids[at - 1];
+          }
+          best[at] = v;
+          best_ids[at] = i;
+        }
+        exp_shifted_row(row.data(), row_max, vocab);
+        double sum = 0.0;
+        for (int64_t i = 0; i < vocab; ++i) sum += row[i];
+        const float log_normalizer = row_max + static_cast<float>(std::log(sum));
+        for (int64_t j = 0; j < k; ++j) {
+          best[j] -= log_normalizer;
+          if (offp) best_ids[j] += offp[best_ids[j]];
+        }
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "topk_logprobs: bfloat16 or float32 logits");
+    run(x.data_ptr<float>());
+  }
+  return {values, ids};
+}
+
 // Greedy verification of chains (node i's parent is node i - 1): row b of the result is
 // [num_accepted, bonus, 1 .. num_accepted, -1 ...], the layout of verify.py's _greedy_result. The
 // accepted nodes are the leading ones whose token is the target's pick after the node before; the
@@ -1630,6 +1691,7 @@ TORCH_LIBRARY(eaglet, m) {
       .def("draft_chain", &DecoderStack::draft_chain);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_last_dim(Tensor logits, Tensor? offsets=None) -> Tensor");
+  m.def("topk_logprobs(Tensor logits, int k, Tensor? offsets=None) -> Tensor[]");
   m.def("verify_chain_greedy(Tensor tokens, Tensor logits) -> Tensor");
   m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
@@ -1646,6 +1708,7 @@ TORCH_LIBRARY(eaglet, m) {
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("argmax_last_dim", argmax_last_dim);
+  m.impl("topk_logprobs", topk_logprobs);
   m.impl("verify_chain_greedy", verify_chain_greedy);
   m.impl("verify_tree_greedy", verify_tree_greedy);
   m.impl("commit_table", commit_table);

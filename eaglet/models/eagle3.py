@@ -52,7 +52,7 @@ from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
-from eaglet.layers.sampler import greedy_tokens
+from eaglet.layers.sampler import greedy_tokens, top_k_logprobs
 from eaglet.models.loader import checkpoint_files, load_weights, skip_init
 
 if TYPE_CHECKING:
@@ -463,6 +463,15 @@ class Eagle3Draft(nn.Module):
         if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
             return torch.ops.eaglet.argmax_last_dim(logits, self.d2t)
         return self.to_target_ids(greedy_tokens(logits))
+
+    def top_k_target_ids(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``top_k_logprobs`` of the draft's logits, its ids mapped to target ids (one kernel call
+        where loaded)."""
+        if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
+            values, ids = torch.ops.eaglet.topk_logprobs(logits, k, self.d2t)
+            return values, ids
+        values, ids = top_k_logprobs(logits, k)
+        return values, self.to_target_ids(ids)
 
     def forward(
         self,

@@ -34,7 +34,7 @@ from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
-from eaglet.layers.sampler import shaped_probs, top_k_logprobs
+from eaglet.layers.sampler import shaped_probs
 from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
@@ -183,8 +183,8 @@ class EagleWorker:
         if k == 1:
             self.states.topk_tokens[rows, 0] = self.draft.greedy_target_ids(logits)
         else:
-            logprobs, top_ids = top_k_logprobs(logits, k)
-            self.states.topk_tokens[rows] = self.draft.to_target_ids(top_ids)
+            logprobs, top_ids = self.draft.top_k_target_ids(logits, k)
+            self.states.topk_tokens[rows] = top_ids
             self.states.topk_logprobs[rows] = logprobs.float()
         self.states.hidden[rows] = hidden
 
@@ -303,8 +303,8 @@ class EagleWorker:
                 out = self.draft(
                     step_batch, self.draft_backend, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
                 )
-            top_logprobs, top_ids = top_k_logprobs(out.logits, k)
-            child_tokens = self.draft.to_target_ids(top_ids).view(batch_size, k * k)
+            top_logprobs, top_ids = self.draft.top_k_target_ids(out.logits, k)
+            child_tokens = top_ids.view(batch_size, k * k)
             child_scores = (frontier_scores[:, :, None] + top_logprobs.view(batch_size, k, k)).view(batch_size, k * k)
             child_parents = frontier_ids[:, :, None].expand(-1, -1, k).reshape(batch_size, k * k)
             child_ids = recorder.add(child_tokens, child_scores, child_parents, depth=step + 1)
