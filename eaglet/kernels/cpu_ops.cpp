@@ -350,11 +350,9 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
         float* best = vp + r * k;
         int64_t* best_ids = ip + r * k;
         int64_t count = 0;
-        float row_max = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < vocab; ++i) {
+        const auto offer = [&](int64_t i) {
           const float v = row[i];
-          row_max = std::max(row_max, v);
-          if (count == k && !(v > best[k - 1])) continue;
+          if (count == k && !(v > best[k - 1])) return;
           int64_t at = count < k ? count++ : k - 1;
           for (; at > 0 && v > best[at - 1]; --at) {  // after the equal ones: the lower index stays first
             best[at] = best[at - 1];
@@ -362,11 +360,34 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
           }
           best[at] = v;
           best_ids[at] = i;
+        };
+        int64_t i = 0;
+        for (; i < vocab && count < k; ++i) offer(i);
+#if defined(__AVX512F__)
+        // 16 at a time, offering only the lanes above the current k-th value (few, past the start).
+        for (; i < vocab; i += kLanes) {
+          const __mmask16 m = tail_mask(vocab - i);
+          __mmask16 above = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, row.data() + i), _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ);
+          for (; above; above &= above - 1) offer(i + __builtin_ctz(above));
         }
+#else
+        for (; i < vocab; ++i) offer(i);
+#endif
+        const float row_max = best[0];
+        float sum = 0.0f;
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < vocab; i += kLanes) {
+          const __mmask16 m = tail_mask(vocab - i);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row.data() + i), _mm512_set1_ps(row_max)));
+          acc = _mm512_mask_add_ps(acc, m, acc, e);
+        }
+        sum = _mm512_reduce_add_ps(acc);
+#else
         exp_shifted_row(row.data(), row_max, vocab);
-        double sum = 0.0;
         for (int64_t i = 0; i < vocab; ++i) sum += row[i];
-        const float log_normalizer = row_max + static_cast<float>(std::log(sum));
+#endif
+        const float log_normalizer = row_max + std::log(sum);
         for (int64_t j = 0; j < k; ++j) {
           best[j] -= log_normalizer;
           if (offp) best_ids[j] += offp[best_ids[j]];
