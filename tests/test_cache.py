@@ -82,6 +82,16 @@ def test_the_table_is_written_a_block_at_a_time():
         if int(torch.randint(0, 20, (1,), generator=g)) == 0:
             cache.free_row(row)
             assert cache.alloc_row() == row
+    # Out of blocks part way through: rows keep the blocks they got (in the table) and their lengths.
+    for row in rows:
+        cache.truncate(row, 1)
+    hog = cache.allocator.allocate(cache.num_free_blocks - 5)  # room for the first row only
+    lengths = dict(cache.row_len)
+    with pytest.raises(OutOfCacheBlocks):
+        cache.grow_rows(rows, [18, 18, 18])
+    assert cache.row_len == lengths and len(cache.row_blocks[rows[0]]) == 5
+    assert_table_covers_blocks(cache)
+    cache.allocator.decref(hog)
     cache.free_row(rows[0])
     adopted = cache.allocator.allocate(2)  # as a prefix-cache hit hands them over
     cache.adopt_blocks(cache.alloc_row(), adopted, 8)

@@ -178,15 +178,18 @@ class KVCacheManager:
             raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
         table_index: list[int] = []
         table_slots: list[int] = []
+        try:
+            for row, new in zip(rows, new_lens):
+                blocks = self.row_blocks[row]
+                missing = self.blocks_needed(new) - len(blocks)
+                if missing > 0:
+                    first = len(blocks)
+                    blocks.extend(self.allocator.allocate(missing))
+                    self._block_entries(row, first, table_index, table_slots)
+        finally:  # out of blocks part way: the rows keep what they got, in the table, at their old lengths
+            self._write_table(table_index, table_slots)
         for row, new in zip(rows, new_lens):
-            blocks = self.row_blocks[row]
-            missing = self.blocks_needed(new) - len(blocks)
-            if missing > 0:
-                first = len(blocks)
-                blocks.extend(self.allocator.allocate(missing))
-                self._block_entries(row, first, table_index, table_slots)
             self.row_len[row] = new
-        self._write_table(table_index, table_slots)
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""

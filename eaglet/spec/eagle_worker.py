@@ -109,7 +109,6 @@ class EagleWorker:
         self._chain_index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, n) -> parents, depths
         self._aranges: dict[int, torch.Tensor] = {}
 
-
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(

@@ -8,7 +8,6 @@ accepted path reaches depth k + 1.
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, field
 
 
@@ -64,9 +63,6 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.reset()
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
