@@ -405,8 +405,7 @@ class EagleWorker:
             output = self.runner.model(batch, self.runner.backend)
         raw_logits = output.logits.view(batch_size, n, -1)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
-        params = [r.sampling_params for r in requests]
-        sampled_rows = [] if round_rows.greedy_only else [i for i, p in enumerate(params) if not p.greedy]
+        sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if is_chain:
             result = verify_greedy_chain(tree.tokens, logits)
         else:
@@ -414,7 +413,8 @@ class EagleWorker:
         if sampled_rows:
             idx = torch.tensor(sampled_rows)
             probs = shaped_probs(
-                logits[idx].reshape(len(sampled_rows) * n, -1), [params[i] for i in sampled_rows for _ in range(n)]
+                logits[idx].reshape(len(sampled_rows) * n, -1),
+                [requests[i].sampling_params for i in sampled_rows for _ in range(n)],
             ).view(len(sampled_rows), n, -1)
             sampled = verify_sampling(
                 tree.tokens[idx], tree.parents[idx], probs, [requests[i].generator for i in sampled_rows]
