@@ -289,18 +289,32 @@ int64_t argmax_row(const T* x, int64_t n) {
 #endif
 }
 
+// Runs run(const T*) on the data of bfloat16 or float32 logits.
+template <typename Run>
+void with_logits(const at::Tensor& x, const char* op, const Run& run) {
+  if (x.scalar_type() == at::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>());
+    return;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": bfloat16 or float32 logits");
+  run(x.data_ptr<float>());
+}
+
+// The contiguous int64 offsets, one per column (an EAGLE-3 draft's d2t), or an undefined tensor.
+at::Tensor column_offsets(const c10::optional<at::Tensor>& offsets, int64_t columns, const char* op) {
+  if (!offsets.has_value()) return at::Tensor();
+  TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == columns && offsets->scalar_type() == at::kLong, op,
+              ": int64 offsets, one per column");
+  return offsets->contiguous();
+}
+
 // The argmax i of each row, or i + offsets[i] with ``offsets`` (an EAGLE-3 draft's d2t: draft ids to target ids).
 at::Tensor argmax_last_dim(const at::Tensor& logits, const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) > 0, "argmax_last_dim: a non-empty last dimension");
   const at::Tensor x = logits.contiguous();
   const int64_t n = x.size(-1);
   const int64_t rows = x.numel() / n;
-  at::Tensor offsets_c;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == n && offsets->scalar_type() == at::kLong,
-                "argmax_last_dim: int64 offsets, one per column");
-    offsets_c = offsets->contiguous();
-  }
+  const at::Tensor offsets_c = column_offsets(offsets, n, "argmax_last_dim");
   const int64_t* offp = offsets_c.defined() ? offsets_c.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
@@ -313,12 +327,7 @@ at::Tensor argmax_last_dim(const at::Tensor& logits, const c10::optional<at::Ten
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    run(x.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_last_dim: bfloat16 or float32 logits");
-    run(x.data_ptr<float>());
-  }
+  with_logits(x, "argmax_last_dim", run);
   return out;
 }
 
@@ -330,12 +339,7 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
               "topk_logprobs: logits [R, V] and 1 <= k <= V");
   const at::Tensor x = logits.contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
-  at::Tensor offsets_c;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == vocab && offsets->scalar_type() == at::kLong,
-                "topk_logprobs: int64 offsets, one per column");
-    offsets_c = offsets->contiguous();
-  }
+  const at::Tensor offsets_c = column_offsets(offsets, vocab, "topk_logprobs");
   const int64_t* offp = offsets_c.defined() ? offsets_c.data_ptr<int64_t>() : nullptr;
   at::Tensor values = at::empty({rows, k}, x.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({rows, k}, x.options().dtype(at::kLong));
@@ -395,12 +399,7 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    run(x.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "topk_logprobs: bfloat16 or float32 logits");
-    run(x.data_ptr<float>());
-  }
+  with_logits(x, "topk_logprobs", run);
   return {values, ids};
 }
 
@@ -434,12 +433,7 @@ at::Tensor verify_chain_greedy(const at::Tensor& tokens, const at::Tensor& logit
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    run(x.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "verify_chain_greedy: bfloat16 or float32 logits");
-    run(x.data_ptr<float>());
-  }
+  with_logits(x, "verify_chain_greedy", run);
   return out;
 }
 
@@ -501,12 +495,7 @@ at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parent
       }
     });
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    run(x.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "verify_tree_greedy: bfloat16 or float32 logits");
-    run(x.data_ptr<float>());
-  }
+  with_logits(x, "verify_tree_greedy", run);
   return out;
 }
 
