@@ -73,13 +73,17 @@ def test_failing_vllm_venv_is_reported_not_fatal(tmp_path):
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
-    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain,tree", "--hf-batch-sizes", "",
+    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain,tree,adaptive-tree", "--hf-batch-sizes", "",
                              "--vllm-batch-sizes", "", "--no-roofline", "--plot", str(out))
     assert code == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (ck,) = record["checkpoints"]
     (tree,) = [r for r in ck["rows"] if r["mode"] == "tree"]
     assert len(tree["per_position_acceptance"]) == 4
+    assert set(tree["decode_steps_per_level"]) == {"off"} | {f"{kind} {d}" for kind in ("tree", "chain") for d in range(1, 5)}
+    assert tree["decode_steps_per_level"]["tree 4"] == sum(tree["decode_steps_per_level"].values())  # a fixed shape
+    (adaptive,) = [r for r in ck["rows"] if r["mode"] == "adaptive-tree"]
+    assert adaptive["same_tokens_as_eaglet_plain"] and sum(adaptive["decode_steps_per_level"].values()) > 0
 
 
 def test_spec_shapes_are_configurable_and_recorded(tmp_path):
