@@ -142,7 +142,10 @@ class ForwardBatch:
             raise ValueError("req_pool_indices, extend_prefix_lens and extend_seq_lens differ in length")
         if extend_seq_lens and min(extend_seq_lens) <= 0:
             raise ValueError("every request in a forward batch needs at least one new token")
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+        if isinstance(input_ids, list):
+            ids = long_tensor(input_ids).to(device)
+        else:
+            ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
         start_loc_cpu = list(itertools.accumulate(extend_seq_lens, initial=0))
         total = start_loc_cpu.pop()
         if ids.shape[0] != total or out_cache_loc.shape[0] != total:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglet.engine.forward_batch import long_tensor
+
 
 @dataclass
 class DraftTree:
@@ -101,5 +103,5 @@ def tree_attention_mask(tree: DraftTree, prefix_lens: torch.Tensor, num_keys: in
     columns = [
         (b * n + i) * num_keys + prefix[b] + j for b, row in enumerate(tree.node_paths()) for i, path in enumerate(row) for j in path
     ]
-    mask.view(-1)[torch.tensor(columns, dtype=torch.long)] = True
+    mask.view(-1)[long_tensor(columns)] = True
     return mask.view(batch * n, num_keys)
