@@ -18,7 +18,6 @@ from eaglet.spec.verify import (
     _verify_greedy_tree,
     build_tree_index,
     verify_greedy,
-    verify_greedy_chain,
     verify_sampling,
 )
 
@@ -527,8 +526,8 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="eaglet CPU k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_nodes", [1, 2, 5])
 def test_chain_verify_kernel_equals_the_python_walk(num_nodes, dtype):
-    """The kernel (argmax up to the first rejection, then the run) against argmax + the list walk,
-    on logits with ties and NaNs, and on non-contiguous logits."""
+    """The tree kernel on chains (argmax up to the first rejection, then the run) against argmax +
+    the list walk, on logits with ties and NaNs, and on non-contiguous logits."""
     g = torch.Generator().manual_seed(num_nodes)
     for trial in range(40):
         batch, vocab = int(torch.randint(1, 7, (1,), generator=g)), [3, 17, 300][trial % 3]
@@ -542,17 +541,19 @@ def test_chain_verify_kernel_equals_the_python_walk(num_nodes, dtype):
         tokens[:, 1:] = torch.where(agree[:, 1:], picks[:, :-1], tokens[:, 1:])
         wide = torch.zeros(batch, num_nodes, 2 * vocab, dtype=dtype)
         wide[..., :vocab] = logits
+        parents = (torch.arange(num_nodes) - 1).expand(batch, num_nodes)
         for view in (logits, wide[..., :vocab]):
-            got = verify_greedy_chain(tokens, view)
+            got = verify_greedy(tokens, parents, view)
             expected = _verify_greedy_chain(tokens, picks)
             for field in ("accepted_nodes", "num_accepted", "bonus_tokens"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), field
+    chain = torch.tensor([[-1, 0, 1]])
     with pytest.raises(RuntimeError, match="matching the tokens"):
-        verify_greedy_chain(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 0))
+        verify_greedy(torch.zeros(1, 3, dtype=torch.long), chain, torch.zeros(1, 3, 0))
     with pytest.raises(RuntimeError, match="int64 tokens"):
-        verify_greedy_chain(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3, 4))
+        torch.ops.eaglet.verify_tree_greedy(torch.zeros(1, 3, dtype=torch.int32), chain, torch.zeros(1, 3, 4))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        torch.ops.eaglet.verify_chain_greedy(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 4, dtype=torch.float64))
+        torch.ops.eaglet.verify_tree_greedy(torch.zeros(1, 3, dtype=torch.long), chain, torch.zeros(1, 3, 4, dtype=torch.float64))
 
 
 @needs_kernels

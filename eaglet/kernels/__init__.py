@@ -1,8 +1,8 @@
 """eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
 
 The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (greedy tokens),
-``topk_logprobs`` (the draft's tree proposals), ``verify_chain_greedy`` / ``verify_tree_greedy``
-and ``commit_table`` (a speculative round's acceptance and commit),
+``topk_logprobs`` (the draft's tree proposals), ``verify_tree_greedy`` and ``commit_table`` (a
+speculative round's acceptance and commit),
 ``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
 ``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
 AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles), ``amx_swiglu`` and ``moe_routed_experts`` (all

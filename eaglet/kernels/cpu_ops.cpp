@@ -403,41 +403,7 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
   return {values, ids};
 }
 
-// Greedy verification of chains (node i's parent is node i - 1): row b of the result is
-// [num_accepted, bonus, 1 .. num_accepted, -1 ...], the layout of verify.py's _greedy_result. The
-// accepted nodes are the leading ones whose token is the target's pick after the node before; the
-// bonus is the pick after the last of them. Rows past a request's first rejection are not read.
-at::Tensor verify_chain_greedy(const at::Tensor& tokens, const at::Tensor& logits) {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0,
-              "verify_chain_greedy: int64 tokens [B, N] with N >= 1");
-  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) && logits.size(2) > 0,
-              "verify_chain_greedy: logits [B, N, V] matching the tokens, V >= 1");
-  const at::Tensor t = tokens.contiguous(), x = logits.contiguous();
-  const int64_t batch = t.size(0), n = t.size(1), vocab = x.size(2), depth = n - 1;
-  at::Tensor out = at::full({batch, depth + 2}, -1, t.options());
-  const int64_t* tp = t.data_ptr<int64_t>();
-  int64_t* op = out.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, (kParallelWork * 8) / (n * vocab));
-  const auto run = [&](const auto* xp) {
-    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        int64_t* row = op + b * (depth + 2);
-        int64_t a = 0, pick = argmax_row(xp + b * n * vocab, vocab);
-        while (a < depth && tp[b * n + a + 1] == pick) {
-          ++a;
-          row[1 + a] = a;
-          pick = argmax_row(xp + (b * n + a) * vocab, vocab);
-        }
-        row[0] = a;
-        row[1] = pick;
-      }
-    });
-  };
-  with_logits(x, "verify_chain_greedy", run);
-  return out;
-}
-
-// Greedy verification of trees (verify.py's _verify_greedy_tree): node j > 0 with parent -1 is
+// Greedy verification of trees, chains included (verify.py's _verify_greedy_tree): node j > 0 with parent -1 is
 // padding, every other parent is an earlier node that is not padding. The accepted path is the
 // deepest one whose every node's token is the target's pick after its parent, the lowest end node
 // among equally deep ones; the table's rows are [num_accepted, bonus, path nodes, -1 ...], D + 2
@@ -1702,7 +1668,6 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_last_dim(Tensor logits, Tensor? offsets=None) -> Tensor");
   m.def("topk_logprobs(Tensor logits, int k, Tensor? offsets=None) -> Tensor[]");
-  m.def("verify_chain_greedy(Tensor tokens, Tensor logits) -> Tensor");
   m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
@@ -1719,7 +1684,6 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("argmax_last_dim", argmax_last_dim);
   m.impl("topk_logprobs", topk_logprobs);
-  m.impl("verify_chain_greedy", verify_chain_greedy);
   m.impl("verify_tree_greedy", verify_tree_greedy);
   m.impl("commit_table", commit_table);
   m.impl("noaux_route", noaux_route);

@@ -40,7 +40,7 @@ from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
-from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_chain, verify_sampling
+from eaglet.spec.verify import VerifyResult, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -406,10 +406,7 @@ class EagleWorker:
         raw_logits = output.logits.view(batch_size, n, -1)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if is_chain:
-            result = verify_greedy_chain(tree.tokens, logits)
-        else:
-            result = verify_greedy(tree.tokens, tree.parents, logits)
+        result = verify_greedy(tree.tokens, tree.parents, logits)
         if sampled_rows:
             idx = torch.tensor(sampled_rows)
             probs = shaped_probs(

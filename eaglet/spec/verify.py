@@ -39,7 +39,7 @@ import torch
 from eaglet import kernels
 from eaglet.layers.sampler import greedy_tokens
 
-__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_chain", "verify_sampling"]
+__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_sampling"]
 
 
 @dataclass
@@ -183,17 +183,6 @@ def _path_to(node: torch.Tensor, num: torch.Tensor, parents: torch.Tensor, max_d
     return out[:, :max_depth]
 
 
-def verify_greedy_chain(tokens: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
-    """``verify_greedy`` for a chain (node i's parent is i - 1), which the caller knows it drafted:
-    one kernel call where the CPU kernels are loaded (it reduces each request's logits only up to
-    its first rejected node)."""
-    if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
-        return VerifyResult(torch.ops.eaglet.verify_chain_greedy(tokens, logits))  # it checks the shapes
-    if tokens.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != tokens.shape or logits.shape[2] == 0:
-        raise ValueError(f"logits must be [B, N, V] matching tokens {tuple(tokens.shape)}, got {tuple(logits.shape)}")
-    return _verify_greedy_chain(tokens.long(), greedy_tokens(logits))
-
-
 def _verify_greedy_chain(tokens: torch.Tensor, target: torch.Tensor) -> VerifyResult:
     """``verify_greedy`` for chains: the accepted nodes are the run of leading nodes whose token is
     the target's pick after the node before. A chain holds a few nodes per request, so the run is
@@ -222,8 +211,8 @@ def _greedy_result(accepted: list[list[int]], num: list[int], bonus: list[int], 
 
 def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
     """Accepts the longest path whose tokens equal the target argmax at their parents: one kernel
-    call where the CPU kernels are loaded (it reduces only the logits of nodes on matching paths;
-    bad trees raise RuntimeError there, ValueError here)."""
+    call where the CPU kernels are loaded (it reduces only the logits of nodes on matching paths,
+    so a chain's only up to its first rejection; bad trees raise RuntimeError there, ValueError here)."""
     if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
         return VerifyResult(torch.ops.eaglet.verify_tree_greedy(tokens.long(), parents.long(), logits))
     _check_inputs(tokens, parents, logits, "logits")
