@@ -28,14 +28,24 @@ VOCAB_BLOCK = 128
 BLOCKED_MIN_VOCAB = 8192
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)``: the first index of each row's maximum, NaN counting as the maximum.
+def _use_kernels(logits: torch.Tensor) -> bool:
+    return kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu"
+
+
+def greedy_tokens(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``: the first index of each row's maximum, NaN counting as the maximum;
+    with ``offsets`` (an EAGLE-3 draft's d2t), each index i shifted to i + offsets[i].
 
     The first block holding the row maximum, then the first maximum inside it, is argmax's answer;
     ``max(dim)`` keeps the first maximal index as argmax does (tests/test_sampling.py checks ties and
     NaNs against argmax)."""
-    if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
-        return torch.ops.eaglet.argmax_last_dim(logits)  # 4-10x faster than either form below
+    if _use_kernels(logits):
+        return torch.ops.eaglet.argmax_last_dim(logits, offsets)  # 4-10x faster than either form below
+    ids = _argmax(logits)
+    return ids if offsets is None else ids + offsets[ids]
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     if vocab % VOCAB_BLOCK or vocab < BLOCKED_MIN_VOCAB or not logits.is_contiguous():
         return logits.max(dim=-1).indices
@@ -45,17 +55,23 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return best_block.squeeze(-1) * VOCAB_BLOCK + inside.max(dim=-1).indices
 
 
-def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_logprobs(logits: torch.Tensor, k: int, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, token ids) of the k most likely tokens of each row of [R, V] logits, in
-    descending order: ``logits.log_softmax(-1).topk(k)``, for the draft's proposals and tree scores.
+    descending order: ``logits.log_softmax(-1).topk(k)``, for the draft's proposals and tree scores;
+    with ``offsets`` (an EAGLE-3 draft's d2t), each id i shifted to i + offsets[i].
 
     The top k entries of a row lie in the k blocks with the largest block maxima, so topk runs over
     those k blocks only. (log_softmax normalises: torch's logsumexp runs an exp that is 40x slower
     on arguments below -87, which a confident draft's logits reach.) Where the CPU kernels are
     loaded, one call does it (float32 values within about 1e-6 of log_softmax's)."""
-    if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
-        values, ids = torch.ops.eaglet.topk_logprobs(logits, k)
+    if _use_kernels(logits):
+        values, ids = torch.ops.eaglet.topk_logprobs(logits, k, offsets)
         return values, ids
+    values, ids = _top_k_logprobs(logits, k)
+    return values, ids if offsets is None else ids + offsets[ids]
+
+
+def _top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = logits.log_softmax(dim=-1)
     rows, vocab = logprobs.shape
     if vocab % VOCAB_BLOCK or vocab < max(BLOCKED_MIN_VOCAB, 4 * VOCAB_BLOCK * k):

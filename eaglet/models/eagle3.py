@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from eaglet import kernels
 from eaglet.config import ModelConfig, TextConfig, parse_text_config, read_config_json
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
@@ -459,19 +458,12 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def greedy_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
-        """The target ids of the draft's argmax over its vocabulary (one kernel call where loaded)."""
-        if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
-            return torch.ops.eaglet.argmax_last_dim(logits, self.d2t)
-        return self.to_target_ids(greedy_tokens(logits))
+        """The target ids of the draft's argmax over its vocabulary."""
+        return greedy_tokens(logits, self.d2t)
 
     def top_k_target_ids(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``top_k_logprobs`` of the draft's logits, its ids mapped to target ids (one kernel call
-        where loaded)."""
-        if logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" and kernels.loaded():
-            values, ids = torch.ops.eaglet.topk_logprobs(logits, k, self.d2t)
-            return values, ids
-        values, ids = top_k_logprobs(logits, k)
-        return values, self.to_target_ids(ids)
+        """``top_k_logprobs`` of the draft's logits, its ids mapped to target ids."""
+        return top_k_logprobs(logits, k, self.d2t)
 
     def forward(
         self,
