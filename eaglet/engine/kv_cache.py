@@ -191,6 +191,11 @@ class KVCacheManager:
         for row, new in zip(rows, new_lens):
             self.row_len[row] = new
 
+    def table_entries(self, rows: list[int], starts: list[int], count: int) -> list[int]:
+        """Flat indices into ``req_to_token`` of positions start .. start + count - 1 of each row."""
+        width = self.max_context_len
+        return [row * width + start + i for row, start in zip(rows, starts) for i in range(count)]
+
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
         self.truncate_rows([row], [new_len])

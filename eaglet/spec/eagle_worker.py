@@ -268,8 +268,8 @@ class EagleWorker:
         self.cache.reserve_rows(rows, [p + scratch for p in prefix])
         # Rows, prefixes, roots and the table entries of row indices prefix .. prefix + scratch - 1
         # of every row, in one host-to-tensor copy.
-        width, batch_size = self.cache.max_context_len, len(rows)
-        entries = [row * width + p + i for row, p in zip(rows, prefix) for i in range(scratch)]
+        batch_size = len(rows)
+        entries = self.cache.table_entries(rows, prefix, scratch)
         host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
         rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
         slots = self.cache.req_to_token.view(-1)[host[3 * batch_size :]].view(batch_size, scratch)
