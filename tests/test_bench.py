@@ -96,3 +96,5 @@ def test_spec_shapes_are_configurable_and_recorded(tmp_path):
     for bad in ("3,2,4", "3,1", "0,1,4"):
         with pytest.raises(SystemExit, match="chain-shape"):
             run_bench(tmp_path / bad, "--modes", "plain,chain", "--chain-shape", bad)
+    with pytest.raises(SystemExit, match="adaptive-tree-shape 2,2,9: .*exceeds the 6 candidates"):
+        run_bench(tmp_path / "tree", "--modes", "plain,adaptive-tree", "--adaptive-tree-shape", "2,2,9")
