@@ -262,3 +262,52 @@ def test_draft_chain_in_one_call_matches_the_per_step_forwards(tmp_path):
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 14 for out in outputs)
     assert calls and all(length == 5 for length in calls) and len(fused_rounds) == len(calls) and all(fused_rounds)
+
+
+@pytest.mark.parametrize("steps,topk,draft_tokens", [(4, 2, 8), (3, 4, 10), (1, 3, 3)])
+def test_draft_tree_in_one_call_matches_the_per_step_forwards(tmp_path, steps, topk, draft_tokens):
+    """EAGLE-2 tree drafting in one DecoderStack.draft_tree call against the same round drafted step
+    by step through Eagle3Draft.forward (fused midlayer, then the layer path) with the candidates
+    recorded in Python, from the same cache, in every round of a ragged batch: the same tree
+    (tokens, parents, depths) and the same draft latents written."""
+    target = echo_text_target(tmp_path / "target", alpha=0.3, dtype=torch.bfloat16)
+    draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
+    llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(draft_path), speculative_num_steps=steps, speculative_eagle_topk=topk,
+              speculative_num_draft_tokens=draft_tokens, speculative_adaptive=False)
+    worker = llm.engine.spec_worker
+    draft, midlayer = worker.draft, worker.draft.fused_midlayer
+    assert midlayer is not None
+    draft_tree = worker._draft_tree
+    fused_rounds = []
+
+    def one_call(*args):
+        drafted = type(midlayer).draft_tree(midlayer, *args)
+        fused_rounds.append(drafted is not None)
+        return drafted
+
+    def both_ways(requests, round_rows, *shape):
+        before = worker.pool.kv.clone()
+        results = []
+        for mode in ("one call", "per step", "layer path"):
+            worker.pool.kv.copy_(before)
+            midlayer.draft_tree = one_call if mode == "one call" else (lambda *args: None)
+            draft.fused_midlayer = None if mode == "layer path" else midlayer
+            try:
+                results.append((draft_tree(requests, round_rows, *shape), worker.pool.kv.clone()))
+            finally:
+                del midlayer.draft_tree
+                draft.fused_midlayer = midlayer
+        (tree, kv), *others = results
+        assert tree.tokens.shape == (len(requests), draft_tokens)
+        for other_tree, other_kv in others:
+            for name in ("tokens", "parents", "depths"):
+                assert torch.equal(getattr(tree, name), getattr(other_tree, name)), name
+            assert torch.equal(kv, other_kv)
+        return tree
+
+    worker._draft_tree = both_ways
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 5 * i))} for i in range(3)]
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True))
+    assert all(len(out.token_ids) == 14 for out in outputs)
+    assert fused_rounds and all(fused_rounds)

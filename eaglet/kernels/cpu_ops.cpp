@@ -515,6 +515,88 @@ at::Tensor commit_table(const at::Tensor& verify_table, const at::Tensor& tokens
   return out;
 }
 
+// EAGLE-2 tree selection (tree.py's CandidateRecorder.build_tree). Per request, of its M candidates
+// (target ids, cumulative draft log-probabilities, the parent's candidate index or -1 for the root,
+// and depths [M] shared by all requests), the num_nodes - 1 ranked highest by score less 1e-12 per
+// candidate index (in double, so equal scores go to the earlier candidate), in candidate order after
+// the root. Returns [tokens, parents (node indices, -1 for the root), depths], each [B, num_nodes].
+std::vector<at::Tensor> select_draft_tree(const at::Tensor& tokens, const at::Tensor& scores, const at::Tensor& parents,
+                                          const at::Tensor& depths, const at::Tensor& roots, int64_t num_nodes) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && parents.sizes() == tokens.sizes() &&
+                  parents.scalar_type() == at::kLong && scores.sizes() == tokens.sizes() && scores.scalar_type() == at::kFloat,
+              "select_draft_tree: int64 tokens and parents, float32 scores, each [B, M]");
+  const int64_t batch = tokens.size(0), candidates = tokens.size(1);
+  TORCH_CHECK(depths.dim() == 1 && depths.size(0) == candidates && depths.scalar_type() == at::kLong && roots.dim() == 1 &&
+                  roots.size(0) == batch && roots.scalar_type() == at::kLong,
+              "select_draft_tree: int64 depths [M] and roots [B]");
+  TORCH_CHECK(num_nodes >= 1 && num_nodes - 1 <= candidates, "select_draft_tree: ", num_nodes, " nodes from ", candidates,
+              " candidates");
+  const at::Tensor tc = tokens.contiguous(), sc = scores.contiguous(), pc = parents.contiguous(), dc = depths.contiguous();
+  const at::Tensor rc = roots.contiguous();
+  const int64_t *tp = tc.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  const float* sp = sc.data_ptr<float>();
+  at::Tensor out_tokens = at::empty({batch, num_nodes}, tokens.options());
+  at::Tensor out_parents = at::empty({batch, num_nodes}, tokens.options());
+  at::Tensor out_depths = at::empty({batch, num_nodes}, tokens.options());
+  int64_t *ot = out_tokens.data_ptr<int64_t>(), *op = out_parents.data_ptr<int64_t>(), *od = out_depths.data_ptr<int64_t>();
+  std::vector<double> key(candidates);
+  std::vector<int64_t> order(candidates), node_of(candidates);
+  const int64_t kept = num_nodes - 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t c = 0; c < candidates; ++c) {
+      key[c] = static_cast<double>(sp[b * candidates + c]) - static_cast<double>(c) * 1e-12;
+      order[c] = c;
+    }
+    std::partial_sort(order.begin(), order.begin() + kept, order.end(),
+                      [&](int64_t x, int64_t y) { return key[x] > key[y] || (key[x] == key[y] && x < y); });
+    std::sort(order.begin(), order.begin() + kept);
+    std::fill(node_of.begin(), node_of.end(), -1);
+    for (int64_t i = 0; i < kept; ++i) node_of[order[i]] = i + 1;
+    int64_t* row_tokens = ot + b * num_nodes;
+    int64_t* row_parents = op + b * num_nodes;
+    int64_t* row_depths = od + b * num_nodes;
+    row_tokens[0] = rp[b], row_parents[0] = -1, row_depths[0] = 0;
+    for (int64_t i = 0; i < kept; ++i) {
+      const int64_t c = order[i], parent = pp[b * candidates + c];
+      TORCH_CHECK(parent >= -1 && parent < candidates, "select_draft_tree: parent candidate ", parent, " out of range");
+      const int64_t parent_node = parent < 0 ? 0 : node_of[parent];
+      TORCH_CHECK(parent_node >= 0, "draft tree selection kept a node without its parent");
+      row_tokens[i + 1] = tp[b * candidates + c];
+      row_parents[i + 1] = parent_node;
+      row_depths[i + 1] = dp[c];
+    }
+  }
+  return {out_tokens, out_parents, out_depths};
+}
+
+// The verify pass's mask of trees placed at row indices prefix .. prefix + N - 1 (tree.py's
+// tree_attention_mask): [B * N, num_keys] bool, node i of request b seeing row indices below
+// prefix[b], its ancestors' and its own. Parents: -1 for the root, else an earlier node.
+at::Tensor tree_attention_mask(const at::Tensor& parents, const at::Tensor& prefix, int64_t num_keys) {
+  TORCH_CHECK(parents.dim() == 2 && parents.scalar_type() == at::kLong && prefix.dim() == 1 && prefix.size(0) == parents.size(0) &&
+                  prefix.scalar_type() == at::kLong,
+              "tree_attention_mask: int64 parents [B, N] and prefix [B]");
+  const int64_t batch = parents.size(0), n = parents.size(1);
+  const at::Tensor pc = parents.contiguous(), prefix_c = prefix.contiguous();
+  const int64_t *pp = pc.data_ptr<int64_t>(), *xp = prefix_c.data_ptr<int64_t>();
+  at::Tensor mask = at::zeros({batch * n, num_keys}, parents.options().dtype(at::kBool));
+  bool* mp = mask.data_ptr<bool>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(xp[b] >= 0 && xp[b] + n <= num_keys, "tree_attention_mask: prefix ", xp[b], " + ", n, " nodes past ", num_keys, " keys");
+    for (int64_t i = 0; i < n; ++i) {
+      bool* row = mp + (b * n + i) * num_keys;
+      std::fill(row, row + xp[b], true);
+      for (int64_t j = i; j >= 0; j = pp[b * n + j]) {
+        TORCH_CHECK((j == 0) == (pp[b * n + j] < 0) && pp[b * n + j] < j,
+                    "tree_attention_mask: node 0 is the root (parent -1), every other node's parent an earlier node");
+        row[xp[b] + j] = true;
+      }
+    }
+  }
+  return mask;
+}
+
 // Indices of the k largest values, largest first, the lower index first among equal values.
 void top_indices(const float* values, int64_t n, int64_t k, int64_t* out) {
   for (int64_t j = 0; j < k; ++j) {
@@ -1617,6 +1699,132 @@ struct DecoderStack : torch::CustomClassHolder {
     return at::stack(drafted, 1);
   }
 
+  // EAGLE-2 tree drafting of a speculative round in one call (EagleWorker._draft_tree's loop, then
+  // select_draft_tree): the k frontier candidates of each request (tokens / scores [B, k]: the
+  // last draft extend's top k and their log-probabilities, all fed the hidden h [B, H]) expand for
+  // steps - 1 midlayer forwards. Step s writes frontier node f of request b at row index
+  // prefix + (s - 1) * k + f, position prefix + s - 1, seeing row indices below prefix and its own
+  // ancestors' (the scratch rows of the nodes it descends from); its top k children score the
+  // parent's score plus their log-probability (topk_logprobs over the lm_head logits, d2t applied),
+  // and the k best children (the earlier first among equal scores) are the next frontier, fed their
+  // parent's hidden out. Same kernels on the same inputs as the per-step Eagle3Draft.forward.
+  // row_slots [B, >= max(prefix) + (steps - 1) * k]. Returns select_draft_tree's [tokens, parents,
+  // depths] of num_nodes nodes, the roots first.
+  std::vector<at::Tensor> draft_tree(at::Tensor roots, at::Tensor tokens, at::Tensor scores, at::Tensor h, at::Tensor embed,
+                                     at::Tensor rope_table, at::Tensor norm_weight, double norm_eps, at::Tensor lm_head, int64_t vocab,
+                                     c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t, bool norm_output, at::Tensor kv,
+                                     at::Tensor row_slots, at::Tensor prefix, int64_t steps, int64_t num_nodes) {
+    const int64_t batch = tokens.size(0), k = tokens.dim() == 2 ? tokens.size(1) : 0;
+    TORCH_CHECK(tokens.dim() == 2 && k >= 1 && tokens.scalar_type() == at::kLong && scores.sizes() == tokens.sizes() &&
+                    scores.scalar_type() == at::kFloat,
+                "DecoderStack.draft_tree: int64 tokens and float32 scores [B, k]");
+    TORCH_CHECK(roots.dim() == 1 && roots.size(0) == batch && roots.scalar_type() == at::kLong && prefix.sizes() == roots.sizes() &&
+                    prefix.scalar_type() == at::kLong && d2t.scalar_type() == at::kLong,
+                "DecoderStack.draft_tree: int64 roots [B], prefix [B] and d2t");
+    TORCH_CHECK(h.dim() == 2 && h.size(0) == batch, "DecoderStack.draft_tree: hidden [B, H]");
+    TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == batch && row_slots.scalar_type() == at::kLong,
+                "DecoderStack.draft_tree: int64 row_slots [B, S]");
+    TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2 && steps >= 1, "DecoderStack.draft_tree: rope_table [P, 2, R / 2]");
+    const int64_t scratch = (steps - 1) * k, num_candidates = k + scratch * k;
+    const at::Tensor prefix_c = prefix.contiguous();
+    const int64_t* pp = prefix_c.data_ptr<int64_t>();
+    const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
+    TORCH_CHECK(row_slots.size(1) >= max_prefix + scratch && rope_table.size(0) >= max_prefix + steps,
+                "DecoderStack.draft_tree: row_slots or rope_table too short for ", steps, " steps of ", k);
+    TORCH_CHECK(num_nodes >= 1 && num_nodes - 1 <= num_candidates, "DecoderStack.draft_tree: ", num_nodes, " nodes from ",
+                num_candidates, " candidates");
+    const auto longs = prefix_c.options();
+    // Every candidate of the round: the first k are the frontier of step 1 (parent: the root).
+    at::Tensor cand_tokens = at::empty({batch, num_candidates}, longs), cand_parents = at::empty({batch, num_candidates}, longs);
+    at::Tensor cand_scores = at::empty({batch, num_candidates}, longs.dtype(at::kFloat));
+    at::Tensor cand_depths = at::empty({num_candidates}, longs);
+    int64_t *ct = cand_tokens.data_ptr<int64_t>(), *cp = cand_parents.data_ptr<int64_t>(), *cd = cand_depths.data_ptr<int64_t>();
+    float* cs = cand_scores.data_ptr<float>();
+    const at::Tensor tokens_c = tokens.contiguous(), scores_c = scores.contiguous();
+    // The frontier: k nodes per request, their candidate ids and, per scratch row, whether it holds an ancestor-or-self.
+    std::vector<int64_t> frontier_tokens(tokens_c.data_ptr<int64_t>(), tokens_c.data_ptr<int64_t>() + batch * k);
+    std::vector<float> frontier_scores(scores_c.data_ptr<float>(), scores_c.data_ptr<float>() + batch * k);
+    std::vector<int64_t> frontier_ids(batch * k);
+    std::vector<char> ancestry(batch * k * std::max<int64_t>(scratch, 1), 0), next_ancestry(ancestry.size());
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t f = 0; f < k; ++f) {
+        ct[b * num_candidates + f] = frontier_tokens[b * k + f];
+        cs[b * num_candidates + f] = frontier_scores[b * k + f];
+        cp[b * num_candidates + f] = -1;
+        frontier_ids[b * k + f] = f;
+      }
+    }
+    std::fill(cd, cd + k, 1);
+    const int64_t rows = batch * k;
+    at::Tensor hidden = h.repeat_interleave(k, 0);  // [B * k, H]: every frontier node starts from the request's hidden
+    at::Tensor positions = at::empty({rows}, longs), out_cache_loc = at::empty({rows}, longs), kv_lens = at::empty({batch}, longs);
+    at::Tensor input_ids = at::empty({rows}, longs);
+    const at::Tensor token_starts = at::arange(0, rows + 1, k, longs);
+    const at::Tensor slots_c = row_slots.contiguous();
+    const int64_t* sp = slots_c.data_ptr<int64_t>();
+    const int64_t slot_width = slots_c.size(1);
+    std::vector<int64_t> best(k);
+    int64_t count = k;
+    for (int64_t s = 1; s < steps; ++s) {
+      const int64_t first = (s - 1) * k, num_keys = max_prefix + s * k;
+      at::Tensor mask = at::zeros({rows, num_keys}, longs.dtype(at::kBool));
+      bool* mp = mask.data_ptr<bool>();
+      int64_t *pos = positions.data_ptr<int64_t>(), *loc = out_cache_loc.data_ptr<int64_t>(), *ids = input_ids.data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        kv_lens.data_ptr<int64_t>()[b] = pp[b] + s * k;
+        for (int64_t f = 0; f < k; ++f) {
+          const int64_t t = b * k + f;
+          char* anc = ancestry.data() + t * scratch;
+          anc[first + f] = 1;
+          pos[t] = pp[b] + s - 1;
+          loc[t] = sp[b * slot_width + pp[b] + first + f];
+          ids[t] = frontier_tokens[t];
+          bool* row = mp + t * num_keys;
+          std::fill(row, row + pp[b], true);
+          for (int64_t j = 0; j < s * k; ++j) row[pp[b] + j] = anc[j];
+        }
+      }
+      const at::Tensor cos_sin = rope_table.index_select(0, positions);
+      const at::Tensor out = forward_eagle3(embed.index_select(0, input_ids), hidden, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
+                                            out_cache_loc, row_slots.narrow(1, 0, num_keys), kv_lens, token_starts, mask);
+      const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
+      const at::Tensor logits = amx_linear(normed, lm_head, vocab, lm_head_bias).to(at::kFloat);
+      const std::vector<at::Tensor> top = topk_logprobs(logits, k, d2t);  // [B * k, k] each
+      const float* tv = top[0].data_ptr<float>();
+      const int64_t* ti = top[1].data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t f = 0; f < k; ++f) {
+          for (int64_t c = 0; c < k; ++c) {
+            const int64_t idx = b * num_candidates + count + f * k + c;
+            ct[idx] = ti[(b * k + f) * k + c];
+            cs[idx] = frontier_scores[b * k + f] + tv[(b * k + f) * k + c];
+            cp[idx] = frontier_ids[b * k + f];
+          }
+        }
+      }
+      std::fill(cd + count, cd + count + k * k, s + 1);
+      if (s == steps - 1) break;
+      const at::Tensor out_hidden = norm_output ? normed : out;
+      std::vector<int64_t> parent_rows(rows);
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t base = b * num_candidates + count;
+        top_indices(cs + base, k * k, k, best.data());
+        for (int64_t f = 0; f < k; ++f) {
+          const int64_t t = b * k + f, parent = best[f] / k;
+          frontier_tokens[t] = ct[base + best[f]];
+          frontier_scores[t] = cs[base + best[f]];
+          frontier_ids[t] = count + best[f];
+          parent_rows[t] = b * k + parent;
+          std::copy_n(ancestry.data() + (b * k + parent) * scratch, scratch, next_ancestry.data() + t * scratch);
+        }
+      }
+      ancestry.swap(next_ancestry);
+      hidden = out_hidden.index_select(0, at::tensor(parent_rows, longs));
+      count += k * k;
+    }
+    return select_draft_tree(cand_tokens, cand_scores, cand_parents, cand_depths, roots, num_nodes);
+  }
+
  private:
   void check_inputs(const at::Tensor& h, const at::Tensor& kv) const {
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden && h.scalar_type() == at::kBFloat16, "DecoderStack: bfloat16 hidden [T, ", hidden, "]");
@@ -1664,12 +1872,15 @@ TORCH_LIBRARY(eaglet, m) {
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward)
       .def("forward_eagle3", &DecoderStack::forward_eagle3)
-      .def("draft_chain", &DecoderStack::draft_chain);
+      .def("draft_chain", &DecoderStack::draft_chain)
+      .def("draft_tree", &DecoderStack::draft_tree);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_last_dim(Tensor logits, Tensor? offsets=None) -> Tensor");
   m.def("topk_logprobs(Tensor logits, int k, Tensor? offsets=None) -> Tensor[]");
   m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
+  m.def("select_draft_tree(Tensor tokens, Tensor scores, Tensor parents, Tensor depths, Tensor roots, int num_nodes) -> Tensor[]");
+  m.def("tree_attention_mask(Tensor parents, Tensor prefix, int num_keys) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("rope_query_key(Tensor q_pe, Tensor k_pe, Tensor cos, Tensor sin, bool interleave) -> (Tensor, Tensor)");
   m.def("mla_cache_write(Tensor(a!) kv, Tensor out_cache_loc, Tensor c_kv, Tensor k_pe) -> ()");
@@ -1686,6 +1897,8 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("topk_logprobs", topk_logprobs);
   m.impl("verify_tree_greedy", verify_tree_greedy);
   m.impl("commit_table", commit_table);
+  m.impl("select_draft_tree", select_draft_tree);
+  m.impl("tree_attention_mask", tree_attention_mask);
   m.impl("noaux_route", noaux_route);
   m.impl("mla_absorbed_attention", mla_absorbed_attention);
   m.impl("moe_routed_experts", moe_routed_experts);

@@ -158,17 +158,42 @@ class FusedMidlayer:
         """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) after each request's
         ``prefix`` (also as the tensor ``prefix_t``): target ids [B, steps], or None where the per-step Eagle3Draft.forward must run (it would not take the
         AMX kernels throughout)."""
+        head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0])
+        if head is None:
+            return None
+        return self.stack.draft_chain(tokens, hidden, *head, backend.pool.kv, row_slots, prefix_t, steps)
+
+    def draft_tree(
+        self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,
+        backend: AttentionBackend, row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
+        num_nodes: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """EAGLE-2 tree drafting of a round in one call (``DecoderStack.draft_tree``): from each
+        request's top-k ``tokens`` / ``scores`` [B, k] and ``hidden`` [B, H], ``steps - 1`` draft
+        steps, then the best ``num_nodes - 1`` candidates under the ``roots``: (tokens, parents,
+        depths) [B, num_nodes], or None where the per-step Eagle3Draft.forward must run."""
+        head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0] * tokens.shape[1])
+        if head is None:
+            return None
+        return tuple(self.stack.draft_tree(roots, tokens, scores, hidden, *head, backend.pool.kv, row_slots, prefix_t,
+                                           steps, num_nodes))
+
+    @staticmethod
+    def _head_inputs(
+        draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int
+    ) -> tuple | None:
+        """What the drafting calls take besides the stack (embeddings, rotary table of ``positions``,
+        final norm, lm_head tiles and d2t), or None where a draft step of ``rows`` tokens would not
+        run on the AMX kernels."""
         lm_head = draft.lm_head_module()
         tiles = amx_tiles(lm_head.weight)
         embed = draft.embed_weight()
         dtype = torch.bfloat16
         if (not isinstance(backend, FusedCPUMLABackend) or torch.is_grad_enabled() or tiles is None
-                or hidden.shape[0] > PADDED_MAX_ROWS or not draft.norm.fused
+                or rows > PADDED_MAX_ROWS or not draft.norm.fused
                 or any(t.dtype != dtype for t in (hidden, embed, draft.fc.weight, draft.norm.weight))
                 or (lm_head.bias is not None and lm_head.bias.dtype != dtype)):
             return None
-        table = draft.rotary.table_as(max(prefix) + steps, dtype)
-        return self.stack.draft_chain(
-            tokens, hidden, embed, table, draft.norm.weight, draft.norm.eps, tiles, lm_head.weight.shape[0], lm_head.bias,
-            draft.d2t, draft.config.norm_output, backend.pool.kv, row_slots, prefix_t, steps,
-        )
+        table = draft.rotary.table_as(positions, dtype)
+        return (embed, table, draft.norm.weight, draft.norm.eps, tiles, lm_head.weight.shape[0], lm_head.bias, draft.d2t,
+                draft.config.norm_output)

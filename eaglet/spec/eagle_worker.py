@@ -284,10 +284,21 @@ class EagleWorker:
         if k == 1:
             return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
         batch_size = len(requests)
-        recorder = CandidateRecorder()
         frontier_tokens = self.states.topk_tokens[round_rows.rows_t, :k]  # [B, k]
         frontier_scores = self.states.topk_logprobs[round_rows.rows_t, :k]
         hidden = self.states.hidden[round_rows.rows_t]
+        fused = self.draft.fused_midlayer
+        if fused is not None:
+            # Row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries.
+            row_slots = self.cache.req_to_token[round_rows.rows_t, : max(round_rows.prefix) + (steps - 1) * k]
+            with self._draft_clock:
+                drafted = fused.draft_tree(
+                    self.draft, round_rows.roots, frontier_tokens, frontier_scores, hidden, self.draft_backend, row_slots,
+                    round_rows.prefix, round_rows.prefix_t, steps, num_draft_tokens,
+                )
+            if drafted is not None:
+                return DraftTree(*drafted)
+        recorder = CandidateRecorder()
         frontier_hidden = hidden[:, None, :].expand(-1, k, -1)
         frontier_ids = recorder.add(frontier_tokens, frontier_scores, torch.full((batch_size, k), -1), depth=1)
         frontier_ids = frontier_ids.expand(batch_size, k)
@@ -309,7 +320,8 @@ class EagleWorker:
             child_ids = recorder.add(child_tokens, child_scores, child_parents, depth=step + 1)
             if step == steps - 1:
                 break
-            best = child_scores.topk(k, dim=-1).indices  # [B, k]
+            # The k best children, the earlier first among equal scores (as DecoderStack.draft_tree).
+            best = child_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [B, k]
             parent_rank = best // k
             frontier_tokens = child_tokens.gather(1, best)
             frontier_scores = child_scores.gather(1, best)
