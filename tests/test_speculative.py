@@ -119,7 +119,8 @@ def test_finishing_inside_an_accepted_block(target, plain_outputs, tmp_path):
 
 
 def test_caches_hold_exactly_the_accepted_path(target, tmp_path):
-    """After every round, each request's target AND draft cache rows equal a fresh prefill of its tokens."""
+    """After every round, each request's target AND draft cache rows equal a fresh prefill of its tokens,
+    and every block comes back once the requests finish."""
     draft = echo_draft(target, tmp_path / "draft", kind="mla", seed=8)
     llm = spec_llm(target, draft, 3, 2, 6)
     engine = llm.engine
@@ -135,7 +136,9 @@ def test_caches_hold_exactly_the_accepted_path(target, tmp_path):
             n = req.num_cached_tokens
             row = req.req_pool_idx
             assert engine.cache.row_len[row] == n == req.num_tokens - 1
-            assert len(engine.cache.row_blocks[row]) == engine.cache.blocks_needed(n)
+            # The row keeps the blocks of the next round's scratch, no more.
+            blocks_needed = engine.cache.blocks_needed
+            assert blocks_needed(n) <= len(engine.cache.row_blocks[row]) <= blocks_needed(n + engine.spec_worker.spec.scratch_len)
             slots = engine.cache.req_to_token[row, :n]
             fresh_target, fresh_draft = fresh_cache_rows(reference, req)
             torch.testing.assert_close(engine.cache.target.kv[:, slots], fresh_target, atol=1e-5, rtol=0)

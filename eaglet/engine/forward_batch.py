@@ -145,7 +145,7 @@ class ForwardBatch:
         if isinstance(input_ids, list):
             ids = long_tensor(input_ids).to(device)
         else:
-            ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+            ids = input_ids.to(device=device, dtype=torch.long)  # no copy where it is already so
         start_loc_cpu = list(itertools.accumulate(extend_seq_lens, initial=0))
         total = start_loc_cpu.pop()
         if ids.shape[0] != total or out_cache_loc.shape[0] != total:

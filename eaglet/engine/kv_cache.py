@@ -178,10 +178,11 @@ class KVCacheManager:
             raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
         table_index: list[int] = []
         table_slots: list[int] = []
+        size = self.block_size
         try:
             for row, new in zip(rows, new_lens):
                 blocks = self.row_blocks[row]
-                missing = self.blocks_needed(new) - len(blocks)
+                missing = -(-new // size) - len(blocks)
                 if missing > 0:
                     first = len(blocks)
                     blocks.extend(self.allocator.allocate(missing))
@@ -200,12 +201,14 @@ class KVCacheManager:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
         self.truncate_rows([row], [new_len])
 
-    def truncate_rows(self, rows: list[int], new_lens: list[int]) -> None:
-        """``truncate`` for several rows; the table is cleared only where blocks are freed."""
+    def truncate_rows(self, rows: list[int], new_lens: list[int], reserve: int = 0) -> None:
+        """``truncate`` for several rows; the table is cleared only where blocks are freed. Each row
+        keeps the blocks of ``reserve`` more positions (a speculative round's scratch: the next round
+        would allocate them again, and the scheduler counts them as taken by a decoding request)."""
         size, width = self.block_size, self.max_context_len
         table_index: list[int] = []
         for row, new_len in zip(rows, new_lens):
-            keep = self.blocks_needed(new_len)
+            keep = -(-(new_len + reserve) // size)
             blocks = self.row_blocks[row]
             if len(blocks) > keep:
                 table_index.extend(range(row * width + keep * size, row * width + min(len(blocks) * size, width)))

@@ -1664,14 +1664,16 @@ struct DecoderStack : torch::CustomClassHolder {
   // causal mask). Then the final norm, lm_head, the first maximal logit (argmax) and d2t, as
   // Eagle3Draft.forward and EagleWorker._draft_chain do per step, with the same kernels on the same
   // inputs. row_slots [B, >= max(prefix) + steps]: each request's cache slots by row index;
-  // rope_table [positions, 2, R / 2]: cos and sin per position. Returns target ids [B, steps].
-  at::Tensor draft_chain(at::Tensor tokens, at::Tensor h, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
+  // rope_table [positions, 2, R / 2]: cos and sin per position. Returns the chain [B, steps + 2]:
+  // the roots, the tokens, then the drafted target ids.
+  at::Tensor draft_chain(at::Tensor roots, at::Tensor tokens, at::Tensor h, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
                          double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
                          bool norm_output, at::Tensor kv, at::Tensor row_slots, at::Tensor prefix, int64_t steps) {
     const int64_t batch = tokens.size(0);
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && prefix.sizes() == tokens.sizes() &&
-                    prefix.scalar_type() == at::kLong && d2t.scalar_type() == at::kLong,
-                "DecoderStack.draft_chain: int64 tokens [B], prefix [B] and d2t");
+                    roots.sizes() == tokens.sizes() && roots.scalar_type() == at::kLong && prefix.scalar_type() == at::kLong &&
+                    d2t.scalar_type() == at::kLong,
+                "DecoderStack.draft_chain: int64 roots [B], tokens [B], prefix [B] and d2t");
     TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == batch && row_slots.scalar_type() == at::kLong,
                 "DecoderStack.draft_chain: int64 row_slots [B, S]");
     TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2 && steps >= 1, "DecoderStack.draft_chain: rope_table [P, 2, R / 2]");
@@ -1681,7 +1683,9 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(row_slots.size(1) >= max_prefix + steps && rope_table.size(0) >= max_prefix + steps,
                 "DecoderStack.draft_chain: row_slots or rope_table too short for ", steps, " steps");
     const at::Tensor token_starts = at::arange(batch + 1, prefix_c.options());
-    std::vector<at::Tensor> drafted;
+    at::Tensor chain = at::empty({batch, steps + 2}, prefix_c.options());
+    chain.select(1, 0).copy_(roots);
+    chain.select(1, 1).copy_(tokens);
     at::Tensor current = tokens;
     for (int64_t s = 1; s <= steps; ++s) {
       const at::Tensor positions = prefix_c + (s - 1);
@@ -1693,10 +1697,10 @@ struct DecoderStack : torch::CustomClassHolder {
       const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
       const at::Tensor draft_ids = amx_linear(normed, lm_head, vocab, lm_head_bias).to(at::kFloat).argmax(-1);
       current = draft_ids + d2t.index_select(0, draft_ids);
-      drafted.push_back(current);
+      chain.select(1, s + 1).copy_(current);
       h = norm_output ? normed : out;
     }
-    return at::stack(drafted, 1);
+    return chain;
   }
 
   // EAGLE-2 tree drafting of a speculative round in one call (EagleWorker._draft_tree's loop, then

@@ -152,16 +152,17 @@ class FusedMidlayer:
         return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None
 
     def draft_chain(
-        self, draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, backend: AttentionBackend,
-        row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
+        self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+        backend: AttentionBackend, row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
     ) -> torch.Tensor | None:
-        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) after each request's
-        ``prefix`` (also as the tensor ``prefix_t``): target ids [B, steps], or None where the per-step Eagle3Draft.forward must run (it would not take the
-        AMX kernels throughout)."""
+        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) from ``tokens`` [B]
+        after each request's ``prefix`` (also as the tensor ``prefix_t``): the chain [B, steps + 2]
+        (roots, tokens, the drafted target ids), or None where the per-step Eagle3Draft.forward must
+        run (it would not take the AMX kernels throughout)."""
         head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0])
         if head is None:
             return None
-        return self.stack.draft_chain(tokens, hidden, *head, backend.pool.kv, row_slots, prefix_t, steps)
+        return self.stack.draft_chain(roots, tokens, hidden, *head, backend.pool.kv, row_slots, prefix_t, steps)
 
     def draft_tree(
         self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,

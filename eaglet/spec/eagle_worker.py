@@ -336,28 +336,27 @@ class EagleWorker:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
         path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
         batch_size = len(requests)
-        tokens = [round_rows.roots, self.states.topk_tokens[round_rows.rows_t, 0]][: length + 1]  # [B] each
-        num_tokens = len(tokens)
+        first = self.states.topk_tokens[round_rows.rows_t, 0]  # [B]: step 0's token, from the last draft extend
         hidden = self.states.hidden[round_rows.rows_t]
         fused = self.draft.fused_midlayer
+        chain = None
         if length > 1 and fused is not None:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
             row_slots = self.cache.req_to_token[round_rows.rows_t, : max(round_rows.prefix) + length - 1]
             with self._draft_clock:
-                drafted = fused.draft_chain(
-                    self.draft, tokens[-1], hidden, self.draft_backend, row_slots, round_rows.prefix,
+                chain = fused.draft_chain(
+                    self.draft, round_rows.roots, first, hidden, self.draft_backend, row_slots, round_rows.prefix,
                     round_rows.prefix_t, length - 1,
                 )
-            if drafted is not None:
-                tokens.append(drafted)  # [B, length - 1]: the chain is complete
-                num_tokens = length + 1
-        for step in range(num_tokens - 1, length):
-            step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
-            with self._draft_clock:
-                out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
-            tokens.append(self.draft.greedy_target_ids(out.logits))
-            hidden = out.hidden_out
-        chain = torch.cat([t.view(batch_size, -1) for t in tokens], dim=1)
+        if chain is None:
+            tokens = [round_rows.roots, first][: length + 1]  # [B] each
+            for step in range(1, length):
+                step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
+                with self._draft_clock:
+                    out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
+                tokens.append(self.draft.greedy_target_ids(out.logits))
+                hidden = out.hidden_out
+            chain = torch.stack(tokens, dim=1)
         n = chain.shape[1]
         if (batch_size, n) not in self._chain_index:  # the same for every chain of this size
             index = torch.arange(n).expand(batch_size, n)
@@ -469,7 +468,9 @@ class EagleWorker:
             moved = src_slots != dst_slots
             if moved.any():
                 self.cache.target.copy_slots(src_slots[moved], dst_slots[moved])
-        self.cache.truncate_rows(round_rows.rows, [p + 1 + a for p, a in zip(round_rows.prefix, accepted)])
+        self.cache.truncate_rows(
+            round_rows.rows, [p + 1 + a for p, a in zip(round_rows.prefix, accepted)], reserve=self.spec.scratch_len
+        )
         for req, a in zip(requests, accepted):
             req.num_cached_tokens += 1 + a
         if not round_rows.greedy_only and any(r.sampling_params.logprobs is not None for r in requests):
