@@ -218,59 +218,14 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, shape):
     assert sum(fused_calls) >= 3 and not all(fused_calls)  # step batches fused, prefill extends not
 
 
-def test_draft_chain_in_one_call_matches_the_per_step_forwards(tmp_path):
-    """Top-1 drafting in one DecoderStack.draft_chain call against the same round drafted step by
-    step through Eagle3Draft.forward (fused midlayer, then the layer path), from the same cache, in
-    every round of a ragged batch: the same draft tokens and the same draft latents written."""
-    target = echo_text_target(tmp_path / "target", alpha=1.0, dtype=torch.bfloat16)
-    draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
-    llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
-              speculative_draft_model_path=str(draft_path), speculative_num_steps=5, speculative_eagle_topk=1,
-              speculative_num_draft_tokens=6, speculative_adaptive=False)
-    worker = llm.engine.spec_worker
-    draft, midlayer = worker.draft, worker.draft.fused_midlayer
-    assert midlayer is not None
-    chain = worker._draft_chain
-    calls, fused_rounds = [], []
-
-    def one_call(*args):
-        drafted = type(midlayer).draft_chain(midlayer, *args)
-        fused_rounds.append(drafted is not None)
-        return drafted
-
-    def both_ways(requests, round_rows, length):
-        before = worker.pool.kv.clone()
-        results = []
-        for mode in ("one call", "per step", "layer path"):
-            worker.pool.kv.copy_(before)
-            midlayer.draft_chain = one_call if mode == "one call" else (lambda *args: None)
-            draft.fused_midlayer = None if mode == "layer path" else midlayer
-            try:
-                results.append((chain(requests, round_rows, length), worker.pool.kv.clone()))
-            finally:
-                del midlayer.draft_chain
-                draft.fused_midlayer = midlayer
-        (tree, kv), *others = results
-        for other_tree, other_kv in others:
-            assert torch.equal(tree.tokens, other_tree.tokens)
-            assert torch.equal(kv, other_kv)
-        calls.append(length)
-        return tree
-
-    worker._draft_chain = both_ways
-    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 5 * i))} for i in range(3)]
-    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True))
-    assert all(len(out.token_ids) == 14 for out in outputs)
-    assert calls and all(length == 5 for length in calls) and len(fused_rounds) == len(calls) and all(fused_rounds)
-
-
-@pytest.mark.parametrize("steps,topk,draft_tokens", [(4, 2, 8), (3, 4, 10), (1, 3, 3)])
-def test_draft_tree_in_one_call_matches_the_per_step_forwards(tmp_path, steps, topk, draft_tokens):
-    """EAGLE-2 tree drafting in one DecoderStack.draft_tree call against the same round drafted step
-    by step through Eagle3Draft.forward (fused midlayer, then the layer path) with the candidates
-    recorded in Python, from the same cache, in every round of a ragged batch: the same tree
-    (tokens, parents, depths) and the same draft latents written."""
-    target = echo_text_target(tmp_path / "target", alpha=0.3, dtype=torch.bfloat16)
+@pytest.mark.parametrize("steps,topk,draft_tokens", [(5, 1, 6), (4, 2, 8), (3, 4, 10), (1, 3, 3)])
+def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, topk, draft_tokens):
+    """A round's drafting in one DecoderStack call (draft_chain for top-1, draft_tree for EAGLE-2
+    trees) against the same round drafted step by step through Eagle3Draft.forward (fused midlayer,
+    then the layer path; tree candidates recorded and selected in Python), from the same cache, in
+    every round of a ragged batch: the same tree (tokens, parents, depths) and the same draft
+    latents written."""
+    target = echo_text_target(tmp_path / "target", alpha=1.0 if topk == 1 else 0.3, dtype=torch.bfloat16)
     draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
     llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=str(draft_path), speculative_num_steps=steps, speculative_eagle_topk=topk,
@@ -278,35 +233,36 @@ def test_draft_tree_in_one_call_matches_the_per_step_forwards(tmp_path, steps, t
     worker = llm.engine.spec_worker
     draft, midlayer = worker.draft, worker.draft.fused_midlayer
     assert midlayer is not None
-    draft_tree = worker._draft_tree
+    call = "draft_chain" if topk == 1 else "draft_tree"
+    draft_round = worker._draft_tree
     fused_rounds = []
 
     def one_call(*args):
-        drafted = type(midlayer).draft_tree(midlayer, *args)
+        drafted = getattr(type(midlayer), call)(midlayer, *args)
         fused_rounds.append(drafted is not None)
         return drafted
 
-    def both_ways(requests, round_rows, *shape):
+    def three_ways(requests, round_rows, *shape):
         before = worker.pool.kv.clone()
         results = []
         for mode in ("one call", "per step", "layer path"):
             worker.pool.kv.copy_(before)
-            midlayer.draft_tree = one_call if mode == "one call" else (lambda *args: None)
+            setattr(midlayer, call, one_call if mode == "one call" else (lambda *args: None))
             draft.fused_midlayer = None if mode == "layer path" else midlayer
             try:
-                results.append((draft_tree(requests, round_rows, *shape), worker.pool.kv.clone()))
+                results.append((draft_round(requests, round_rows, *shape), worker.pool.kv.clone()))
             finally:
-                del midlayer.draft_tree
+                delattr(midlayer, call)
                 draft.fused_midlayer = midlayer
         (tree, kv), *others = results
-        assert tree.tokens.shape == (len(requests), draft_tokens)
+        assert tree.tokens.shape == (len(requests), draft_tokens if topk > 1 else steps + 1)
         for other_tree, other_kv in others:
             for name in ("tokens", "parents", "depths"):
                 assert torch.equal(getattr(tree, name), getattr(other_tree, name)), name
             assert torch.equal(kv, other_kv)
         return tree
 
-    worker._draft_tree = both_ways
+    worker._draft_tree = three_ways
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 5 * i))} for i in range(3)]
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 14 for out in outputs)
