@@ -13,7 +13,7 @@ from eaglet import kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
-from eaglet.layers.linear import linear, pack_for_inference, pack_weight_for_amx
+from eaglet.layers.linear import linear, logits_linear, pack_for_inference, pack_weight_for_amx
 from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
@@ -182,6 +182,9 @@ def test_amx_linear_matches_f_linear_and_gives_a_row_the_same_bits_at_any_row_co
         for rows in (1, 2, 15, 16, 17, 33):
             assert torch.equal(linear(x[:rows], weight, b), got[:rows])
         assert torch.equal(linear(x[40:41], weight, b)[0], got[40])
+        # Logits: the same bfloat16 values, written as float32 by the kernel.
+        logits = logits_linear(x, weight, b)
+        assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
 
 
 @amx

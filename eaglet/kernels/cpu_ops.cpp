@@ -198,6 +198,21 @@ inline __m512 round_bf16(__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_p
 inline void store16_bf16(at::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
 #endif
 
+// dst[i] = float(bfloat16(src[i] (+ bias[i]))): store_bf16's values widened, as .float() of a
+// bfloat16 GEMM's output gives them, without the bfloat16 tensor in between.
+inline void store_bf16_widened(float* dst, const float* src, const at::BFloat16* bias, int64_t n) {
+#if defined(__AVX512BF16__)
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+    if (bias) v = _mm512_add_ps(v, load16(bias + i, m));
+    _mm512_mask_storeu_ps(dst + i, m, round_bf16(v));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(at::BFloat16(bias ? src[i] + static_cast<float>(bias[i]) : src[i]));
+#endif
+}
+
 // Below this many multiply-adds a kernel runs on the calling thread: waking the pool costs more.
 constexpr int64_t kParallelWork = 1 << 15;
 
@@ -1336,13 +1351,16 @@ inline bool worth_threads(int64_t m, int64_t n, int64_t k) { return n * k * std:
 
 // x [M, K] @ W^T with W packed by amx_pack_weight, out bfloat16 [M, N] (+ bias). Each output row
 // comes from its own tile row: its bits do not depend on M or on the other rows.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+// x @ W^T (+ bias) on AMX tiles, rounded to bfloat16; ``widened``: those bfloat16 values as float32
+// (an lm_head's logits, which callers take in float32).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                      bool widened = false) {
   TORCH_CHECK(amx_supported(), "amx_linear: this CPU or build has no AMX");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 x [M, K]");
   check_packed(packed, x.size(1), n, "amx_linear");
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "amx_linear: bfloat16 bias [N]");
   const int64_t m = x.size(0), k_blocks = packed.size(1), n_groups = packed.size(0) / 4;
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(widened ? at::kFloat : at::kBFloat16));
   if (m == 0) return out;
   const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
   thread_local std::vector<at::BFloat16> x_pad;
@@ -1350,7 +1368,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::BFloat16* op = widened ? nullptr : out.data_ptr<at::BFloat16>();
+  float* op_widened = widened ? out.data_ptr<float>() : nullptr;
   const int64_t kp = k_blocks * kTileK, group_elems = 4 * k_blocks * kTileK * kTileN;
   at::parallel_for(0, n_groups, worth_threads(m, n, kp) ? 1 : n_groups, [&](int64_t begin, int64_t end) {
     configure_tiles();
@@ -1359,7 +1378,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
       amx_group(xp, m, kp, wp + g * group_elems, k_blocks, c.data(), kGroupN);
       const int64_t cols = std::min(kGroupN, n - g * kGroupN);
       for (int64_t r = 0; r < m; ++r) {  // bias added to the float32 sum, then one rounding
-        store_bf16(op + r * n + g * kGroupN, c.data() + r * kGroupN, bp ? bp + g * kGroupN : nullptr, cols);
+        const float* sums = c.data() + r * kGroupN;
+        const at::BFloat16* bias_g = bp ? bp + g * kGroupN : nullptr;
+        if (widened) {
+          store_bf16_widened(op_widened + r * n + g * kGroupN, sums, bias_g, cols);
+        } else {
+          store_bf16(op + r * n + g * kGroupN, sums, bias_g, cols);
+        }
       }
     }
     release_tiles();
@@ -1695,7 +1720,7 @@ struct DecoderStack : torch::CustomClassHolder {
                                             out_cache_loc, row_slots.narrow(1, 0, max_prefix + s), prefix_c + s, token_starts,
                                             c10::nullopt);
       const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
-      const at::Tensor draft_ids = amx_linear(normed, lm_head, vocab, lm_head_bias).to(at::kFloat).argmax(-1);
+      const at::Tensor draft_ids = amx_linear(normed, lm_head, vocab, lm_head_bias, true).argmax(-1);
       current = draft_ids + d2t.index_select(0, draft_ids);
       chain.select(1, s + 1).copy_(current);
       h = norm_output ? normed : out;
@@ -1792,7 +1817,7 @@ struct DecoderStack : torch::CustomClassHolder {
       const at::Tensor out = forward_eagle3(embed.index_select(0, input_ids), hidden, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
                                             out_cache_loc, row_slots.narrow(1, 0, num_keys), kv_lens, token_starts, mask);
       const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
-      const at::Tensor logits = amx_linear(normed, lm_head, vocab, lm_head_bias).to(at::kFloat);
+      const at::Tensor logits = amx_linear(normed, lm_head, vocab, lm_head_bias, true);
       const std::vector<at::Tensor> top = topk_logprobs(logits, k, d2t);  // [B * k, k] each
       const float* tv = top[0].data_ptr<float>();
       const int64_t* ti = top[1].data_ptr<int64_t>();
@@ -1890,7 +1915,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("mla_cache_write(Tensor(a!) kv, Tensor out_cache_loc, Tensor c_kv, Tensor k_pe) -> ()");
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor w13, Tensor w2, int inter) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias, bool widened=False) -> Tensor");
   m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, int inter) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale, Tensor? w_uk_packed=None, Tensor? w_uv_packed=None) -> Tensor");
 }

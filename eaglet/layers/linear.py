@@ -32,11 +32,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     product streams W row by row (measured 1.3-4x faster on an AVX2 EPYC). A column-major weight
     (the float32 lm_head, deepseek_v3.py) is already in the layout F.linear streams.
     """
-    tiles = amx_tiles(weight)
-    if (tiles is not None and x.dim() == 2 and x.shape[0] <= PADDED_MAX_ROWS
-            and x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype) and not torch.is_grad_enabled()):
-        # Prefill chunks above PADDED_MAX_ROWS take F.linear: as fast there, and no verify pass
-        # has to reproduce their bits.
+    tiles = _amx_tiles_for(x, weight, bias)
+    if tiles is not None:
         return torch.ops.eaglet.amx_linear(x, tiles, weight.shape[0], bias)
     packed = getattr(weight, _PACKED, None)
     if packed is not None and packed[1] == weight._version and not torch.is_grad_enabled():
@@ -50,6 +47,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.mm(weight, x.t()).t().contiguous()
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(x, weight, bias).float()`` (an lm_head's logits): through the AMX copy, the kernel
+    writes the bfloat16 results as float32 itself (the same values, without a bfloat16 tensor and a
+    conversion pass over [rows, vocab])."""
+    tiles = _amx_tiles_for(x, weight, bias)
+    if tiles is not None:
+        return torch.ops.eaglet.amx_linear(x, tiles, weight.shape[0], bias, True)
+    return linear(x, weight, bias).float()
+
+
+def _amx_tiles_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight's AMX copy where ``linear`` multiplies on it: inference, 2-D inputs of the weight's
+    dtype, at most PADDED_MAX_ROWS rows (prefill chunks above take F.linear: as fast there, and no
+    verify pass has to reproduce their bits)."""
+    tiles = amx_tiles(weight)
+    if (tiles is not None and x.dim() == 2 and x.shape[0] <= PADDED_MAX_ROWS
+            and x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype) and not torch.is_grad_enabled()):
+        return tiles
+    return None
 
 
 def amx_tiles(weight: torch.Tensor) -> torch.Tensor | None:

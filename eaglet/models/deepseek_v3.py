@@ -16,7 +16,7 @@ from torch import nn
 from eaglet.config import TextConfig
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.layers.attention_backend import AttentionBackend
-from eaglet.layers.linear import linear
+from eaglet.layers.linear import logits_linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
@@ -127,5 +127,5 @@ class DeepseekV3ForCausalLM(nn.Module):
             if not 0 <= layer_id < self.config.num_hidden_layers:
                 raise ValueError(f"capture layer {layer_id} out of range 0..{self.config.num_hidden_layers - 1}")
         hidden, aux = self.model(batch, backend)
-        logits = linear(hidden[batch.logits_indices], self.lm_head.weight).float()
+        logits = logits_linear(hidden[batch.logits_indices], self.lm_head.weight)
         return ForwardOutput(logits=logits, aux_hidden_states=aux)

@@ -46,7 +46,7 @@ from eaglet.layers.gqa_attention import (
     LlamaRotaryEmbedding,
     TorchNativeGQABackend,
 )
-from eaglet.layers.linear import linear
+from eaglet.layers.linear import linear, logits_linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
@@ -496,7 +496,7 @@ class Eagle3Draft(nn.Module):
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
         lm_head = self.lm_head_module()
-        logits = linear(normed, lm_head.weight, lm_head.bias).float()
+        logits = logits_linear(normed, lm_head.weight, lm_head.bias)
         return DraftOutput(logits=logits, hidden_out=normed if self.config.norm_output else rows)
 
 
