@@ -24,7 +24,8 @@ Per engine and batch size: decode tokens/s (tokens after each request's first / 
 TTFT (start to every request holding its first token), ITL (decode time / (new_tokens - 1)),
 accept length and per-position acceptance (speculative), and the split of a speculative round
 into draft / verify / bookkeeping. Repeats are interleaved across engines (noise on a shared
-machine hits every engine alike); medians are reported. For plain eaglet the roofline line: bytes
+machine hits every engine alike); an engine whose runs took less than ``--min-seconds`` runs again
+(up to ``--max-repeats``), as vLLM's runner does; medians are reported. For plain eaglet the roofline line: bytes
 a decode step must read (bench_decode.step_floor, distinct experts counted in an untimed run)
 per step time, against the machine's measured read bandwidth.
 
@@ -296,7 +297,8 @@ def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args
     if python is None:
         return {"skipped": f"no vLLM venv at {venv}; install it with: {VLLM_INSTALL_HINT}"}
     spec = {"model": str(ckpt["target"]), "dtype": ckpt["dtype"], "new_tokens": args.new_tokens,
-            "batch_sizes": batch_sizes, "repeats": args.repeats,
+            "batch_sizes": batch_sizes, "repeats": args.repeats, "min_seconds": args.min_seconds,
+            "max_repeats": args.max_repeats,
             "prompts": [p["prompt_token_ids"] for p in prompts],
             "max_model_len": args.prompt_len + args.new_tokens + 16}
     if mode != "plain":
@@ -383,9 +385,15 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
         for key, engine in contenders.items():
             run_one(key, engine, args.new_tokens)
         runs: dict[str, list[dict]] = {k: [] for k in contenders}
-        for _ in range(args.repeats):
-            for key, engine in contenders.items():
-                runs[key].append(run_one(key, engine, args.new_tokens))
+        seconds = dict.fromkeys(contenders, 0.0)
+        for repeat in range(max(args.repeats, args.max_repeats)):
+            wanted = [k for k in contenders if repeat < args.repeats or seconds[k] < args.min_seconds]
+            if not wanted:
+                break
+            for key in wanted:
+                start = time.perf_counter()
+                runs[key].append(run_one(key, contenders[key], args.new_tokens))
+                seconds[key] += time.perf_counter() - start
         plain_tokens = runs["eaglet/plain"][0]["tokens"] if "eaglet/plain" in runs else None
         for key, key_runs in runs.items():
             engine_name, mode = key.split("/")
@@ -471,7 +479,8 @@ def _row_line(name: str, r: dict) -> str:
 
 def print_table(record: dict) -> None:
     print(f"\n=== eaglet bench: {record['args']['new_tokens']} new tokens, prompt {record['args']['prompt_len']}, "
-          f"median of {record['args']['repeats']} ===")
+          f"median of {record['args']['repeats']}+ runs (until {record['args']['min_seconds']:g} s, "
+          f"at most {record['args']['max_repeats']}) ===")
     if record.get("bandwidth"):
         print(f"memory read bandwidth {record['bandwidth']['read_gbps']:.1f} GB/s")
     print(HEADER)

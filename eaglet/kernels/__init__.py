@@ -1,7 +1,8 @@
 """eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
 
 The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (greedy tokens),
-``topk_logprobs`` (the draft's tree proposals), ``verify_tree_greedy`` and ``commit_table`` (a
+``topk_logprobs`` (the draft's tree proposals), ``select_draft_tree`` and ``tree_attention_mask``
+(EAGLE-2 tree selection and its verify mask), ``verify_tree_greedy`` and ``commit_table`` (a
 speculative round's acceptance and commit),
 ``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
 ``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
@@ -9,7 +10,8 @@ AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles), ``amx_swiglu`` and ``moe_rout
 routed experts in one call). Each does in one call
 what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
 its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
-draft's midlayer) through those kernels in one call per forward (``decoder_stack.py``).
+draft's midlayer) through those kernels in one call per forward, and a draft's whole top-1 chain
+(``draft_chain``) or EAGLE-2 tree (``draft_tree``) in one call per round (``decoder_stack.py``).
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
 ``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source and the torch
