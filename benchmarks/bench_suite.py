@@ -31,7 +31,8 @@ per step time, against the machine's measured read bandwidth.
 
 Results: a table on stdout and ``benchmarks/results/bench-<timestamp>.json`` (earlier files kept);
 ``--plot`` draws tokens/s per batch size and acceptance per draft position (matplotlib, the
-``bench`` extra).
+``bench`` extra); ``--history`` prints the headline figures of every kept run, oldest first
+(benchmarks/bench_history.py), and runs nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ for _path in (REPO, REPO / "tests", REPO / "benchmarks"):
 import torch  # noqa: E402
 
 import bench_decode  # noqa: E402
+from bench_history import history_table  # noqa: E402
 
 # Defaults: (num_steps, eagle_topk, num_draft_tokens). ``adaptive`` is the deepest shape the adaptive
 # policy may draft; it picks the depth per batch size (eaglet.spec.policy), the engine's default.
@@ -540,6 +542,12 @@ def plot(record: dict, out: Path) -> None:
 def main(args: argparse.Namespace) -> int:
     from eaglet.demo_model import demo_model_available
 
+    if args.history:
+        try:
+            print(history_table(args.results_dir))
+        except FileNotFoundError as exc:
+            raise SystemExit(str(exc)) from None
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.new_tokens < 2:

