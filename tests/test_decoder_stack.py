@@ -103,6 +103,26 @@ def test_ragged_decode_matches_the_layer_path(llm):
         _free(llm, batch)
 
 
+def test_profiler_sees_each_step_of_every_layer(llm):
+    """The stack calls its kernels directly; its profiler ranges are what torch.profiler shows of a forward."""
+    batch = _batch(llm, [5, 40], [1, 1])
+    model, backend = llm.engine.model, FusedCPUMLABackend(llm.engine.cache)
+    config = model.config
+    try:
+        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(batch, backend)
+    finally:
+        _free(llm, batch)
+    counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("eaglet.stack.")}
+    layers = config.num_hidden_layers
+    dense = min(config.first_k_dense_replace, layers)
+    expected = {name: layers for name in ("down_proj", "q_proj", "rope_and_cache_write", "attention", "o_proj")}
+    expected |= {"mlp": dense} if dense else {}
+    if layers > dense:
+        expected |= {"router": layers - dense, "routed_experts": layers - dense, "shared_experts": layers - dense}
+    assert counts == {f"eaglet.stack.{name}": n for name, n in expected.items()}
+
+
 def test_chain_verify_matches_the_layer_path(llm):
     batch = _batch(llm, [9, 30, 21], [4, 4, 4], capture_layers=(1,))
     try:

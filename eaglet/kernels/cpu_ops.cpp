@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -1575,6 +1576,15 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   return out;
 }
 
+// f() inside a profiler range called ``name``: the decoder stack calls its kernels directly, not
+// through the dispatcher, so without these ranges torch.profiler sees one opaque call per forward.
+// With no profiler running a range costs a flag check.
+template <typename F>
+auto traced(const char* name, F&& f) {
+  RECORD_USER_SCOPE(name);
+  return f();
+}
+
 // The weights of one DeepSeek-V3 decoder layer in the forms the kernels above take (AMX tile
 // copies for every bfloat16 matrix), for DecoderStack.
 struct StackLayer {
@@ -1861,28 +1871,40 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // One layer: h + attention(x), then + the MLP of its norm; x is the normed attention input.
+  // Each step runs in a profiler range (traced), so torch.profiler shows where a forward's time goes.
   at::Tensor layer_forward(const StackLayer& l, int64_t index, const at::Tensor& x, at::Tensor h, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& kv, const at::Tensor& out_cache_loc, const at::Tensor& slots,
                            const at::Tensor& kv_lens, const at::Tensor& token_starts, const c10::optional<at::Tensor>& custom_mask) {
     const int64_t tokens = h.size(0), offset = q_lora ? q_lora : 0;
-    const at::Tensor down = amx_linear(x, l.first, offset + latent + rope, l.first_bias);
-    const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
-    const at::Tensor q = amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
-    const at::Tensor c_kv = rms_norm(down.narrow(1, offset, latent), l.kv_a_norm, eps);
-    auto [q_pe, k_pe] = rope_query_key(q.narrow(2, nope, rope), down.narrow(1, offset + latent, rope), cos, sin, interleave);
+    const at::Tensor down = traced("eaglet.stack.down_proj", [&] { return amx_linear(x, l.first, offset + latent + rope, l.first_bias); });
+    const at::Tensor q = traced("eaglet.stack.q_proj", [&] {
+      const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
+      return amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
+    });
     at::Tensor layer_kv = kv.select(0, index);
-    mla_cache_write(layer_kv, out_cache_loc, c_kv, k_pe);
-    const at::Tensor attn = mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens,
-                                                   token_starts, custom_mask, scaling, l.uk_packed, l.uv_packed);
-    h = at::add(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias));
+    const at::Tensor q_pe = traced("eaglet.stack.rope_and_cache_write", [&] {
+      const at::Tensor c_kv = rms_norm(down.narrow(1, offset, latent), l.kv_a_norm, eps);
+      auto [q_rot, k_rot] = rope_query_key(q.narrow(2, nope, rope), down.narrow(1, offset + latent, rope), cos, sin, interleave);
+      mla_cache_write(layer_kv, out_cache_loc, c_kv, k_rot);
+      return q_rot;
+    });
+    const at::Tensor attn = traced("eaglet.stack.attention", [&] {
+      return mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens, token_starts,
+                                    custom_mask, scaling, l.uk_packed, l.uv_packed);
+    });
+    h = traced("eaglet.stack.o_proj", [&] { return at::add(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)); });
     const at::Tensor y = rms_norm(h, l.post_norm, eps);
     at::Tensor mlp;
     if (l.moe) {
-      auto [weights, ids] = noaux_route(y, l.router_weight, l.router_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling);
-      mlp = moe_routed_experts(y, l.experts_w13, l.experts_w2, weights, ids, l.expert_inter);
-      if (l.mlp_inter) mlp = at::add(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter));
+      const auto route = traced("eaglet.stack.router", [&] {
+        return noaux_route(y, l.router_weight, l.router_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling);
+      });
+      mlp = traced("eaglet.stack.routed_experts", [&] {
+        return moe_routed_experts(y, l.experts_w13, l.experts_w2, std::get<0>(route), std::get<1>(route), l.expert_inter);
+      });
+      if (l.mlp_inter) mlp = traced("eaglet.stack.shared_experts", [&] { return at::add(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter)); });
     } else {
-      mlp = amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter);
+      mlp = traced("eaglet.stack.mlp", [&] { return amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter); });
     }
     return at::add(h, mlp);
   }
