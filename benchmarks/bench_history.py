@@ -23,9 +23,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
-
-
 @dataclass(frozen=True)
 class Column:
     header: str
@@ -50,36 +47,29 @@ COLUMNS: dict[str, Column] = {
 }
 
 
-def _rows(record: dict, checkpoint: str) -> list[dict]:
+def _eaglet_rows(record: dict, checkpoint: str) -> dict[tuple[str, int], dict]:
+    """The checkpoint's eaglet rows by (mode, batch)."""
     for entry in record.get("checkpoints", []):
         if entry.get("checkpoint") == checkpoint:
-            return entry.get("rows", [])
-    return []
-
-
-def _eaglet_row(rows: list[dict], mode: str, batch: int) -> dict:
-    for row in rows:
-        if row.get("engine") == "eaglet" and row.get("mode") == mode and row.get("batch") == batch:
-            return row
+            return {(r.get("mode"), r.get("batch")): r for r in entry.get("rows", []) if r.get("engine") == "eaglet"}
     return {}
 
 
 def headline(record: dict) -> dict[str, float | str | None]:
     """One run's figures by COLUMNS key (None where the run did not measure it)."""
-    bf16 = _rows(record, "deepseek-bf16")
-    demo = _rows(record, "demo")
+    bf16 = _eaglet_rows(record, "deepseek-bf16")
+    demo = _eaglet_rows(record, "demo")
     out: dict[str, float | str | None] = dict.fromkeys(COLUMNS)
     for batch in (1, 16):
-        plain = _eaglet_row(bf16, "plain", batch)
-        chain = _eaglet_row(bf16, "chain", batch)
+        plain, chain = bf16.get(("plain", batch), {}), bf16.get(("chain", batch), {})
         out[f"plain_vllm_{batch}"] = plain.get("over_vllm")
         out[f"plain_hf_{batch}"] = plain.get("over_transformers")
         out[f"chain_vllm_{batch}"] = chain.get("over_vllm") if chain.get("over_vllm_mode") == "chain" else None
-    out["floor_1"] = _eaglet_row(bf16, "plain", 1).get("roofline", {}).get("step_over_floor")
+    out["floor_1"] = bf16.get(("plain", 1), {}).get("roofline", {}).get("step_over_floor")
     for batch in (1, 16, 64):
-        out[f"demo_adaptive_{batch}"] = _eaglet_row(demo, "adaptive", batch).get("over_eaglet_plain")
-    speculative_64 = [r["over_eaglet_plain"] for r in demo if r.get("engine") == "eaglet" and r.get("batch") == 64
-                      and r.get("mode") != "plain" and r.get("over_eaglet_plain") is not None]
+        out[f"demo_adaptive_{batch}"] = demo.get(("adaptive", batch), {}).get("over_eaglet_plain")
+    speculative_64 = [r["over_eaglet_plain"] for (mode, batch), r in demo.items()
+                      if batch == 64 and mode != "plain" and r.get("over_eaglet_plain") is not None]
     out["demo_slowest_64"] = min(speculative_64, default=None)
     shares: dict[bool, list[float]] = {True: [], False: []}
     same = total = 0
