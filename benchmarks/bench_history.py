@@ -109,6 +109,9 @@ def history_table(results_dir: Path) -> str:
         except (OSError, json.JSONDecodeError) as exc:
             lines.append(f"| {run} | unreadable: {exc} |")
             continue
+        if not isinstance(record, dict):
+            lines.append(f"| {run} | unreadable: not a bench record (a JSON {type(record).__name__}) |")
+            continue
         figures = headline(record)
         cells = [_cell(figures[key], column) for key, column in COLUMNS.items()]
         git = record.get("machine", {}).get("eaglet_git") or "-"

@@ -552,6 +552,8 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (a first token and at least one decode step)")
+    if args.repeats < 1 or args.max_repeats < 1 or args.min_seconds < 0:
+        raise SystemExit("--repeats and --max-repeats must be >= 1 and --min-seconds >= 0")
     spec_shapes(args)  # a malformed shape stops the run before anything is built
     modes = [m for m in args.modes.split(",") if m]
     if "plain" not in modes or any(m not in ("plain", *SPEC_SHAPES) for m in modes):

@@ -147,20 +147,33 @@ def test_history_prints_each_kept_run_oldest_first(tmp_path, capsys):
     (results / "bench-20261201-000000.json").write_text(json.dumps(demo_only))
     (results / "bench-20261202-000000.json").write_text(json.dumps(full))
     (results / "bench-20261203-000000.json").write_text("{not json")
+    (results / "bench-20261204-000000.json").write_text("[1, 2]")
     (results / "notes.json").write_text("{}")  # not a bench record: not listed
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert bench.run(parser.parse_args(["--history", "--results-dir", str(results)])) == 0
     header, rule, *lines = capsys.readouterr().out.strip().splitlines()
     assert header.startswith("| run | git | plain/vLLM B1 | plain/vLLM B16 | chain/vLLM B1 | chain/vLLM B16 |")
-    assert [line.split(" | ")[0] for line in lines] == ["| 20261201-000000", "| 20261202-000000", "| 20261203-000000"]
-    old, new, broken = (line.strip("| ").split(" | ") for line in lines)
+    assert [line.split(" | ")[0] for line in lines] == ["| 20261201-000000", "| 20261202-000000", "| 20261203-000000",
+                                                         "| 20261204-000000"]
+    old, new, broken, not_a_record = (line.strip("| ").split(" | ") for line in lines)
     # every figure of the demo-only run but the slowest batch-64 mode (and the lossless count: no field) is missing
     assert old == ["20261201-000000", "-"] + ["-"] * 10 + ["1.10"] + ["-"] * 3
     # chain/vLLM B16 compared against vLLM's plain decoding, not its chain: not a chain figure
     assert new == ["20261202-000000", "abc1234", "2.50", "1.80", "2.30", "-", "5.25", "4.40", "0.95", "2.44", "1.84",
                    "1.20", "0.93", "10.4%", "5.0%", "4/5"]
     assert broken[1].startswith("unreadable")
+    assert not_a_record[1] == "unreadable: not a bench record (a JSON list)"
+
+
+@pytest.mark.parametrize("flags", [["--repeats", "0"], ["--max-repeats", "0"], ["--min-seconds", "-1"]])
+def test_bad_repeat_counts_are_refused_before_anything_runs(tmp_path, flags):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path / "ckpt"), *flags])
+    with pytest.raises(SystemExit, match="--repeats and --max-repeats must be >= 1"):
+        bench.run(args)
+    assert not (tmp_path / "results").exists() and not (tmp_path / "ckpt").exists()
 
 
 def test_history_without_runs_says_where_it_looked(tmp_path):
