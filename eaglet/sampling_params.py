@@ -147,6 +147,12 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def greedy_ids_suffice(self) -> bool:
+        """True if the argmax of the raw logits is all a decode step needs (greedy, no logits
+        processing, no logprobs): a forward may then skip writing the logits."""
+        return self.greedy and not self.needs_logits_processing and self.logprobs is None
+
+    @property
     def needs_logits_processing(self) -> bool:
         """True if a history-dependent or biasing processor is on (see ``process_logits``)."""
         return bool(

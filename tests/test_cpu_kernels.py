@@ -13,7 +13,7 @@ from eaglet import kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.engine.kv_cache import KVCacheManager
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
-from eaglet.layers.linear import linear, logits_linear, pack_for_inference, pack_weight_for_amx
+from eaglet.layers.linear import linear, logits_argmax, logits_linear, pack_for_inference, pack_weight_for_amx
 from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
@@ -195,6 +195,49 @@ def test_amx_linear_rejects_a_weight_it_did_not_pack():
         torch.ops.eaglet.amx_linear(torch.randn(2, 64).bfloat16(), packed, 64, None)
     with pytest.raises(RuntimeError, match="not packed"):
         torch.ops.eaglet.amx_linear(torch.randn(2, 32).bfloat16(), weight, 64, None)
+
+
+@amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("out_features", "in_features", "bias"),
+                         [(32000, 64, False), (1000, 128, True), (65, 96, False), (64, 32, False), (1, 32, True)])
+def test_fused_lm_head_argmax_is_the_argmax_of_the_logits(out_features, in_features, bias, threads):
+    """Ties (duplicate weight rows: the first column wins), NaN rows (the first NaN), all-zero rows
+    and column counts that end inside a tile group, on one thread and split over two."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    if out_features > 10:
+        weight[out_features // 2] = weight[3]
+        weight[-1] = weight[3]
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    pack_weight_for_amx(weight)
+    x = torch.randn(37, in_features, generator=g).bfloat16()
+    x[1] = float("nan")
+    x[4] = 0
+    if out_features > 10:
+        x[5] = weight[3]  # its best logit is column 3's, shared by the duplicates
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            expected = logits_linear(x, weight, b).argmax(-1)
+            for rows in (1, 16, 17, 37):
+                got = logits_argmax(x[:rows], weight, b)
+                assert got.dtype == torch.long and torch.equal(got, expected[:rows])
+    finally:
+        torch.set_num_threads(previous)
+    assert int(expected[1]) == 0  # a NaN row: the first NaN
+    if out_features > 10 and not bias:  # three equal best logits: the first column
+        assert int(expected[5]) == 3
+
+
+@amx
+def test_fused_lm_head_argmax_needs_the_amx_copy():
+    weight = torch.randn(64, 32).bfloat16()
+    with torch.inference_mode():
+        assert logits_argmax(torch.randn(2, 32).bfloat16(), weight) is None  # not packed: the caller takes logits
+    with pytest.raises(RuntimeError, match="not packed"):
+        torch.ops.eaglet.amx_linear_argmax(torch.randn(2, 32).bfloat16(), weight, 64, None)
 
 
 def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExperts:

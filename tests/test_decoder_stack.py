@@ -151,6 +151,27 @@ def test_tree_verify_matches_the_layer_path(llm):
         _free(llm, batch)
 
 
+@pytest.mark.parametrize("new_lens", [[1, 1, 1], [4, 4, 4]], ids=["decode", "chain-verify"])
+def test_greedy_ids_forward_gives_the_argmax_of_the_logits_forward(llm, new_lens):
+    """A forward asked only for greedy ids (the fused lm_head + argmax) returns no logits and, per
+    logits row, the argmax of the logits the same forward returns otherwise (same cache)."""
+    batch = _batch(llm, [9, 30, 2], new_lens, capture_layers=(1,))
+    batch.logits_indices = torch.arange(batch.num_tokens)
+    backend, cache = FusedCPUMLABackend(llm.engine.cache), llm.engine.cache
+    before = cache.target.kv.clone()
+    try:
+        with torch.inference_mode():
+            full = llm.engine.model(batch, backend)
+            cache.target.kv.copy_(before)
+            batch.greedy_ids_only = True
+            ids_only = llm.engine.model(batch, backend)
+        assert full.greedy_ids is None and ids_only.logits is None
+        assert torch.equal(ids_only.greedy_ids, full.logits.argmax(-1))
+        assert torch.equal(ids_only.aux_hidden_states, full.aux_hidden_states)
+    finally:
+        _free(llm, batch)
+
+
 def test_prefill_and_autograd_take_the_layer_path(llm):
     decoder, cache = _decoder(llm), llm.engine.cache
     backend = FusedCPUMLABackend(cache)
@@ -181,6 +202,39 @@ def test_greedy_generation_is_the_same_with_and_without_the_stack(llm):
     finally:
         decoder.decoder_stack = stack
     assert fused == layered
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3-chain"])
+def test_greedy_decoding_is_the_same_with_and_without_the_fused_greedy_ids(tmp_path, monkeypatch, speculative):
+    """Greedy plain decode steps and verify rounds take the fused lm_head + argmax (no logits); the
+    tokens are those of the logits path, and a request wanting logprobs in the batch still gets logits."""
+    from eaglet.models import deepseek_v3
+
+    target = echo_text_target(tmp_path / "target", alpha=0.6, dtype=torch.bfloat16)
+    spec = {}
+    if speculative:
+        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(echo_draft(target, tmp_path / "draft", kind="mla")),
+                    speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=False)
+    llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, **spec)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 2 * i))} for i in range(3)]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    with_logprobs = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    fused_rows = []
+    fused = deepseek_v3.logits_argmax
+
+    def counted(x, weight, bias=None):
+        ids = fused(x, weight, bias)
+        fused_rows.append(0 if ids is None else ids.numel())
+        return ids
+
+    monkeypatch.setattr(deepseek_v3, "logits_argmax", counted)
+    got = [out.token_ids for out in llm.generate(prompts, greedy)]
+    assert len(fused_rows) >= (2 if speculative else 9) and all(fused_rows)  # every decode step or verify round
+    fused_rows.clear()
+    mixed = [out.token_ids for out in llm.generate(prompts, [greedy, with_logprobs, greedy])]
+    assert not fused_rows  # logprobs need the logits: no step of that batch asks for ids only
+    monkeypatch.setattr(deepseek_v3, "logits_argmax", lambda *args: None)
+    assert [out.token_ids for out in llm.generate(prompts, greedy)] == got == mixed
 
 
 def test_no_stack_for_float32_or_without_kernels(tmp_path):

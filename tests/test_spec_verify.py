@@ -18,6 +18,7 @@ from eaglet.spec.verify import (
     _verify_greedy_tree,
     build_tree_index,
     verify_greedy,
+    verify_greedy_ids,
     verify_sampling,
 )
 
@@ -554,6 +555,34 @@ def test_chain_verify_kernel_equals_the_python_walk(num_nodes, dtype):
         torch.ops.eaglet.verify_tree_greedy(torch.zeros(1, 3, dtype=torch.int32), chain, torch.zeros(1, 3, 4))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         torch.ops.eaglet.verify_tree_greedy(torch.zeros(1, 3, dtype=torch.long), chain, torch.zeros(1, 3, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "python"])
+def test_verify_from_greedy_ids_equals_verify_from_logits(monkeypatch, use_kernels):
+    """A forward that returns only the target's greedy ids (the fused lm_head + argmax) verifies
+    exactly as its logits do, on random trees, chains and padded trees; malformed trees are refused."""
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    for trial in range(80):
+        batch, n, vocab = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g)), 4
+        parents = torch.full((batch, n), -1, dtype=torch.long)
+        for j in range(1, n):
+            parents[:, j] = torch.randint(0, j, (batch,), generator=g)
+        if trial % 3 == 0:
+            parents = (torch.arange(n) - 1).expand(batch, n).clone()
+        elif trial % 3 == 1 and n > 2:
+            parents[0, -1] = -1  # padding
+        logits = torch.randn(batch, n, vocab, generator=g)
+        tokens = torch.randint(0, vocab, (batch, n), generator=g)  # 4 ids: many accepted paths
+        from_logits = verify_greedy(tokens, parents, logits)
+        from_ids = verify_greedy_ids(tokens, parents, logits.argmax(-1))
+        assert torch.equal(from_ids.table, from_logits.table)
+    error = RuntimeError if use_kernels else ValueError
+    with pytest.raises(error):
+        verify_greedy_ids(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 2, 0]]), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(error):
+        verify_greedy_ids(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 1]]), torch.zeros(1, 2, dtype=torch.long))
 
 
 @needs_kernels

@@ -23,6 +23,7 @@ from eaglet.errors import ConfigError, ImageError, InvalidRequestError
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
+from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.models.eagle3 import load_eagle3_draft
 from eaglet.models.registry import load_model, resolve_dtype
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
@@ -292,8 +293,9 @@ class Engine:
         if self.spec_worker is not None:
             self._run_speculative_decode(requests)
         else:
-            _, output = self.runner.extend(requests, [1] * len(requests))
-            self._append(requests, [[t] for t in self._sample(requests, output.logits).tolist()])
+            greedy_ids = all(r.sampling_params.greedy_ids_suffice for r in requests)
+            _, output = self.runner.extend(requests, [1] * len(requests), greedy_ids_only=greedy_ids)
+            self._append(requests, [[t] for t in self._next_tokens(requests, output).tolist()])
         return requests
 
     def _run_speculative_decode(self, requests: list[Request]) -> None:
@@ -305,7 +307,7 @@ class Engine:
         level = self.spec_policy.choose(len(requests), pinned, useful)
         start = time.perf_counter()
         if level == 0:
-            tokens = self.spec_worker.plain_decode(requests, lambda logits: self._sample(requests, logits))
+            tokens = self.spec_worker.plain_decode(requests, lambda output: self._next_tokens(requests, output))
             self.spec_metrics.num_plain_decode_steps += 1
             self._append(requests, [[t] for t in tokens.tolist()])
             self.spec_policy.record(len(requests), level, time.perf_counter() - start)
@@ -322,6 +324,10 @@ class Engine:
         # plain steps is the cost of switching back, not of this level's rounds.
         seconds = time.perf_counter() - start - self.spec_worker.catch_up_seconds
         self.spec_policy.record(len(requests), level, seconds, result.num_accepted)
+
+    def _next_tokens(self, requests: list[Request], output: ForwardOutput) -> torch.Tensor:
+        """A decode step's tokens: the forward's greedy ids where it returned them, else sampled."""
+        return output.greedy_ids if output.greedy_ids is not None else self._sample(requests, output.logits)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, rows: list[bool] | None = None) -> torch.Tensor:
         """Next tokens for the rows that need one (others get -1 and draw no random numbers).

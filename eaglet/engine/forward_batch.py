@@ -25,7 +25,8 @@ By default token t attends to the cache entries of its request at row indices
 steps pass ``custom_mask`` instead: ``custom_mask[t, j]`` says whether token t sees row index j of
 its request's table; row index and RoPE position differ there (siblings share a position).
 
-A forward returns logits only at ``logits_indices`` (default: each request's last token) and,
+A forward returns logits only at ``logits_indices`` (default: each request's last token), or with
+``greedy_ids_only`` possibly just their argmax (``ForwardOutput.greedy_ids``), and,
 when ``capture_layers`` is set, the residual stream after each of those layers, concatenated
 along the hidden dimension, at every token (EAGLE-3 reads three of them).
 """
@@ -77,6 +78,9 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = ()
     # [T, max(seq_lens)] bool: which row indices of its request each token sees (None: causal).
     custom_mask: torch.Tensor | None = None
+    # Only the greedy token of each logits row is wanted (every request greedy, without logits
+    # processing or logprobs): the forward may return ``greedy_ids`` instead of ``logits``.
+    greedy_ids_only: bool = False
     # Per-forward memo of derived tensors (every layer asks for the same ones).
     _memo: dict = field(default_factory=dict, repr=False)
 
@@ -135,6 +139,7 @@ class ForwardBatch:
         input_embeds: torch.Tensor | None = None,
         capture_layers: tuple[int, ...] = (),
         custom_mask: torch.Tensor | None = None,
+        greedy_ids_only: bool = False,
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
         """Derives every offset from the per-request lengths, so callers cannot get them inconsistent."""
@@ -182,4 +187,5 @@ class ForwardBatch:
             input_embeds=input_embeds,
             capture_layers=capture_layers,
             custom_mask=custom_mask,
+            greedy_ids_only=greedy_ids_only,
         )

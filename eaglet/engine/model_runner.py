@@ -29,11 +29,14 @@ class ModelRunner:
         *,
         capture_layers: tuple[int, ...] = (),
         all_logits: bool = False,
+        greedy_ids_only: bool = False,
     ) -> tuple[ForwardBatch, ForwardOutput]:
         """Runs the next ``num_new_tokens[i]`` uncached tokens of each request (prefill chunk or decode).
 
         Grows each request's cache row, writes the latents, and returns logits at each request's
-        last new token (at every new token with ``all_logits``, for prompt logprobs).
+        last new token (at every new token with ``all_logits``, for prompt logprobs); with
+        ``greedy_ids_only`` (a decode step of requests whose ``greedy_ids_suffice``), possibly only
+        their argmax (``ForwardOutput.greedy_ids``).
         """
         input_ids: list[int] = []
         prefix_lens: list[int] = []
@@ -57,6 +60,7 @@ class ModelRunner:
             out_cache_loc=out_cache_loc,
             logits_indices=torch.arange(len(input_ids)) if all_logits or any(wants_prompt) else None,
             capture_layers=capture_layers,
+            greedy_ids_only=greedy_ids_only,
         )
         batch.input_embeds = self.merged_embeddings(requests, batch)
         output = self.model(batch, self.backend)

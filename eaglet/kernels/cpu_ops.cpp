@@ -425,14 +425,16 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
 // among equally deep ones; the table's rows are [num_accepted, bonus, path nodes, -1 ...], D + 2
 // wide for the deepest tree D of the batch. A node's logits are reduced only if it is on a
 // matching path.
-at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits) {
+// The greedy walk of verify_tree_greedy over [B, N] int64 trees: pick(b, j) is the target's token
+// after node j of request b, asked only for nodes on matching paths (a chain's only up to its first
+// rejection) and from the thread that walks request b; pick_at keeps each node's answer.
+template <typename Pick>
+at::Tensor greedy_walk(const at::Tensor& tokens, const at::Tensor& parents, const char* op, const Pick& pick) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0 && parents.sizes() == tokens.sizes() &&
                   parents.scalar_type() == at::kLong,
-              "verify_tree_greedy: int64 tokens and parents [B, N] with N >= 1");
-  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) && logits.size(2) > 0,
-              "verify_tree_greedy: logits [B, N, V] matching the tokens, V >= 1");
-  const at::Tensor t = tokens.contiguous(), par = parents.contiguous(), x = logits.contiguous();
-  const int64_t batch = t.size(0), n = t.size(1), vocab = x.size(2);
+              op, ": int64 tokens and parents [B, N] with N >= 1");
+  const at::Tensor t = tokens.contiguous(), par = parents.contiguous();
+  const int64_t batch = t.size(0), n = t.size(1);
   const int64_t* tp = t.data_ptr<int64_t>();
   const int64_t* pp = par.data_ptr<int64_t>();
   std::vector<int64_t> depth(batch * n, -1);  // -1: padding
@@ -440,45 +442,69 @@ at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parent
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t* row = pp + b * n;
     int64_t* d = depth.data() + b * n;
-    TORCH_CHECK(row[0] == -1, "verify_tree_greedy: node 0 must be the root (parent -1)");
+    TORCH_CHECK(row[0] == -1, op, ": node 0 must be the root (parent -1)");
     d[0] = 0;
     for (int64_t j = 1; j < n; ++j) {
-      TORCH_CHECK(row[j] >= -1 && row[j] < j, "verify_tree_greedy: every node's parent must be -1 or an earlier node");
+      TORCH_CHECK(row[j] >= -1 && row[j] < j, op, ": every node's parent must be -1 or an earlier node");
       if (row[j] < 0) continue;
-      TORCH_CHECK(d[row[j]] >= 0, "verify_tree_greedy: a node's parent is a padding node");
+      TORCH_CHECK(d[row[j]] >= 0, op, ": a node's parent is a padding node");
       d[j] = d[row[j]] + 1;
       max_depth = std::max(max_depth, d[j]);
     }
   }
   at::Tensor out = at::full({batch, max_depth + 2}, -1, t.options());
-  int64_t* op = out.data_ptr<int64_t>();
-  const auto run = [&](const auto* xp) {
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int64_t> pick(n);
-      std::vector<char> matched(n);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t* row = pp + b * n;
-        const int64_t* d = depth.data() + b * n;
-        std::fill(pick.begin(), pick.end(), -1);
-        const auto pick_at = [&](int64_t node) {
-          if (pick[node] < 0) pick[node] = argmax_row(xp + (b * n + node) * vocab, vocab);
-          return pick[node];
-        };
-        matched[0] = 1;
-        int64_t best = 0;
-        for (int64_t j = 1; j < n; ++j) {
-          matched[j] = d[j] >= 0 && matched[row[j]] && tp[b * n + j] == pick_at(row[j]);
-          if (matched[j] && d[j] > d[best]) best = j;
-        }
-        int64_t* out_row = op + b * (max_depth + 2);
-        out_row[0] = d[best];
-        out_row[1] = pick_at(best);
-        for (int64_t node = best; node > 0; node = row[node]) out_row[1 + d[node]] = node;
+  int64_t* op_out = out.data_ptr<int64_t>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> picked(n);
+    std::vector<char> matched(n);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t* row = pp + b * n;
+      const int64_t* d = depth.data() + b * n;
+      std::fill(picked.begin(), picked.end(), -1);
+      const auto pick_at = [&](int64_t node) {
+        if (picked[node] < 0) picked[node] = pick(b, node);
+        return picked[node];
+      };
+      matched[0] = 1;
+      int64_t best = 0;
+      for (int64_t j = 1; j < n; ++j) {
+        matched[j] = d[j] >= 0 && matched[row[j]] && tp[b * n + j] == pick_at(row[j]);
+        if (matched[j] && d[j] > d[best]) best = j;
       }
-    });
-  };
-  with_logits(x, "verify_tree_greedy", run);
+      int64_t* out_row = op_out + b * (max_depth + 2);
+      out_row[0] = d[best];
+      out_row[1] = pick_at(best);
+      for (int64_t node = best; node > 0; node = row[node]) out_row[1 + d[node]] = node;
+    }
+  });
   return out;
+}
+
+at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0 && parents.sizes() == tokens.sizes() &&
+                  parents.scalar_type() == at::kLong,
+              "verify_tree_greedy: int64 tokens and parents [B, N] with N >= 1");
+  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) && logits.size(2) > 0,
+              "verify_tree_greedy: logits [B, N, V] matching the tokens, V >= 1");
+  const at::Tensor x = logits.contiguous();
+  const int64_t n = tokens.size(1), vocab = x.size(2);
+  at::Tensor out;
+  with_logits(x, "verify_tree_greedy", [&](const auto* xp) {
+    out = greedy_walk(tokens, parents, "verify_tree_greedy",
+                      [&](int64_t b, int64_t node) { return argmax_row(xp + (b * n + node) * vocab, vocab); });
+  });
+  return out;
+}
+
+// verify_tree_greedy given the target's greedy token after every node, [B, N] int64 (a fused
+// lm_head + argmax's output) instead of its logits.
+at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_ids) {
+  TORCH_CHECK(target_ids.scalar_type() == at::kLong && target_ids.sizes() == tokens.sizes(),
+              "verify_tree_greedy_ids: int64 target_ids [B, N] matching the tokens");
+  const at::Tensor ids = target_ids.contiguous();
+  const int64_t n = tokens.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  return greedy_walk(tokens, parents, "verify_tree_greedy_ids", [&](int64_t b, int64_t node) { return ip[b * n + node]; });
 }
 
 // What a speculative round commits (eagle_worker._commit), from a verification's [B, D + 2] table
@@ -1393,6 +1419,126 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   return out;
 }
 
+// A running argmax over a row's columns, fed in column order in pieces: torch's rule (the first
+// NaN, else the first maximum). With AVX-512, per lane: the lane's first maximum (a strict compare
+// keeps it) and its first NaN; the lanes are combined once, at the end.
+struct RunningArgmax {
+#if defined(__AVX512BF16__)
+  __m512 value = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i index = _mm512_setzero_si512();
+  __m512i nan_index = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+
+  // Columns first .. first + n - 1 (n <= 16) hold float(bfloat16(sums + bias)).
+  void add16(const float* sums, const at::BFloat16* bias, int32_t first, int64_t n) {
+    const __mmask16 m = tail_mask(n);
+    __m512 v = _mm512_maskz_loadu_ps(m, sums);
+    if (bias) v = _mm512_add_ps(v, load16(bias, m));
+    v = round_bf16(v);
+    const __m512i columns = _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __mmask16 greater = _mm512_mask_cmp_ps_mask(m, v, value, _CMP_GT_OQ);
+    value = _mm512_mask_blend_ps(greater, value, v);
+    index = _mm512_mask_blend_epi32(greater, index, columns);
+    const __mmask16 first_nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q) &
+                                _mm512_cmpeq_epi32_mask(nan_index, _mm512_set1_epi32(std::numeric_limits<int32_t>::max()));
+    nan_index = _mm512_mask_blend_epi32(first_nan, nan_index, columns);
+  }
+
+  void finish(float& best_value, int64_t& best_index, bool& has_nan) const {
+    const int32_t nan_at = _mm512_reduce_min_epi32(nan_index);
+    has_nan = nan_at != std::numeric_limits<int32_t>::max();
+    if (has_nan) {
+      best_value = std::numeric_limits<float>::quiet_NaN();
+      best_index = nan_at;
+      return;
+    }
+    best_value = _mm512_reduce_max_ps(value);
+    // Lanes never above -inf keep index 0 of the piece they started in: an all -inf row's answer.
+    const __mmask16 at_max = _mm512_cmp_ps_mask(value, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
+    best_index = _mm512_mask_reduce_min_epi32(at_max, index);
+  }
+#else
+  float value = 0.0f;
+  int64_t index = -1;
+  bool nan = false;
+
+  void add16(const float* sums, const at::BFloat16* bias, int32_t first, int64_t n) {
+    for (int64_t i = 0; i < n && !nan; ++i) {
+      const float v = static_cast<float>(at::BFloat16(bias ? sums[i] + static_cast<float>(bias[i]) : sums[i]));
+      if (std::isnan(v)) {
+        value = v, index = first + i, nan = true;
+      } else if (index < 0 || v > value) {
+        value = v, index = first + i;
+      }
+    }
+  }
+
+  void finish(float& best_value, int64_t& best_index, bool& has_nan) const {
+    best_value = value, best_index = index, has_nan = nan;
+  }
+#endif
+};
+
+// The argmax of each row of amx_linear(x, packed, n, bias, widened=true) without writing the logits:
+// each thread keeps a running argmax per row over its column groups, and the threads' answers are
+// merged in column order (the first NaN, else the first maximum, as torch.argmax). [M] int64.
+at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_supported(), "amx_linear_argmax: this CPU or build has no AMX");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear_argmax: bfloat16 x [M, K]");
+  TORCH_CHECK(n > 0 && n < std::numeric_limits<int32_t>::max(), "amx_linear_argmax: 1 to 2^31 - 2 columns");
+  check_packed(packed, x.size(1), n, "amx_linear_argmax");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "amx_linear_argmax: bfloat16 bias [N]");
+  const int64_t m = x.size(0), k_blocks = packed.size(1), n_groups = (n + kGroupN - 1) / kGroupN;
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
+  thread_local std::vector<at::BFloat16> x_pad;
+  const at::BFloat16* xp = padded_tiles(xr, k_blocks, x_pad);
+  const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t kp = k_blocks * kTileK, group_elems = 4 * k_blocks * kTileK * kTileN;
+  struct Best {
+    float value;
+    int64_t index;
+    bool nan;
+  };
+  // A chunk of groups leaves its rows' answers at its first group's rows, marked in chunk_first.
+  std::vector<Best> bests(n_groups * m);
+  std::vector<char> chunk_first(n_groups, 0);
+  at::parallel_for(0, n_groups, worth_threads(m, n, kp) ? 1 : n_groups, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<float> c(m * kGroupN);
+    std::vector<RunningArgmax> running(m);
+    for (int64_t g = begin; g < end; ++g) {
+      amx_group(xp, m, kp, wp + g * group_elems, k_blocks, c.data(), kGroupN);
+      const int64_t cols = std::min(kGroupN, n - g * kGroupN);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < cols; j += kTileN) {
+          const int64_t col = g * kGroupN + j;
+          running[r].add16(c.data() + r * kGroupN + j, bp ? bp + col : nullptr, static_cast<int32_t>(col), std::min(kTileN, cols - j));
+        }
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      Best& b = bests[begin * m + r];
+      running[r].finish(b.value, b.index, b.nan);
+    }
+    chunk_first[begin] = 1;
+    release_tiles();
+  });
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    Best b{0.0f, -1, false};
+    for (int64_t g = 0; g < n_groups; ++g) {
+      if (!chunk_first[g]) continue;
+      const Best& chunk = bests[g * m + r];
+      if (b.index < 0 || (!b.nan && (chunk.nan || chunk.value > b.value))) b = chunk;
+    }
+    op[r] = b.index;
+  }
+  return out;
+}
+
 // act = bf16(bf16(silu(bf16(gate))) * bf16(up)) for one row of a float32 [gate | up] GEMM output:
 // the roundings of linear -> F.silu -> mul on bfloat16 tensors.
 void swiglu_act(const float* gate_up, int64_t inter, at::BFloat16* act) {
@@ -1929,6 +2075,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("argmax_last_dim(Tensor logits, Tensor? offsets=None) -> Tensor");
   m.def("topk_logprobs(Tensor logits, int k, Tensor? offsets=None) -> Tensor[]");
   m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
+  m.def("verify_tree_greedy_ids(Tensor tokens, Tensor parents, Tensor target_ids) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
   m.def("select_draft_tree(Tensor tokens, Tensor scores, Tensor parents, Tensor depths, Tensor roots, int num_nodes) -> Tensor[]");
   m.def("tree_attention_mask(Tensor parents, Tensor prefix, int num_keys) -> Tensor");
@@ -1938,6 +2085,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_swiglu(Tensor x, Tensor w13, Tensor w2, int inter) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias, bool widened=False) -> Tensor");
+  m.def("amx_linear_argmax(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, int inter) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale, Tensor? w_uk_packed=None, Tensor? w_uv_packed=None) -> Tensor");
 }
@@ -1947,6 +2095,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("argmax_last_dim", argmax_last_dim);
   m.impl("topk_logprobs", topk_logprobs);
   m.impl("verify_tree_greedy", verify_tree_greedy);
+  m.impl("verify_tree_greedy_ids", verify_tree_greedy_ids);
   m.impl("commit_table", commit_table);
   m.impl("select_draft_tree", select_draft_tree);
   m.impl("tree_attention_mask", tree_attention_mask);
@@ -1958,4 +2107,5 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("amx_pack_weight", amx_pack_weight);
   m.impl("amx_swiglu", amx_swiglu);
   m.impl("amx_linear", amx_linear);
+  m.impl("amx_linear_argmax", amx_linear_argmax);
 }

@@ -59,6 +59,16 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return linear(x, weight, bias).float()
 
 
+def logits_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``logits_linear(x, weight, bias).argmax(-1)`` in one AMX kernel that never writes the logits
+    (for an lm_head of 32000 columns at 16 rows: a 2 MB float32 tensor and a pass over it saved), or
+    None where the weight has no AMX copy: the caller then takes the logits."""
+    tiles = _amx_tiles_for(x, weight, bias)
+    if tiles is None:
+        return None
+    return torch.ops.eaglet.amx_linear_argmax(x, tiles, weight.shape[0], bias)
+
+
 def _amx_tiles_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The weight's AMX copy where ``linear`` multiplies on it: inference, 2-D inputs of the weight's
     dtype, at most PADDED_MAX_ROWS rows (prefill chunks above take F.linear: as fast there, and no

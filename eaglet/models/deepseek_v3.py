@@ -16,7 +16,7 @@ from torch import nn
 from eaglet.config import TextConfig
 from eaglet.engine.forward_batch import ForwardBatch
 from eaglet.layers.attention_backend import AttentionBackend
-from eaglet.layers.linear import logits_linear
+from eaglet.layers.linear import logits_argmax, logits_linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [K, vocab] float32, rows = batch.logits_indices
+    logits: torch.Tensor | None  # [K, vocab] float32, rows = batch.logits_indices; None with greedy_ids
     aux_hidden_states: torch.Tensor | None = None  # [T, len(capture_layers) * hidden]
+    # [K] int64 argmax of the logits rows, computed without the logits (batch.greedy_ids_only, where
+    # the lm_head has a fused kernel); None otherwise.
+    greedy_ids: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -127,5 +130,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             if not 0 <= layer_id < self.config.num_hidden_layers:
                 raise ValueError(f"capture layer {layer_id} out of range 0..{self.config.num_hidden_layers - 1}")
         hidden, aux = self.model(batch, backend)
-        logits = logits_linear(hidden[batch.logits_indices], self.lm_head.weight)
-        return ForwardOutput(logits=logits, aux_hidden_states=aux)
+        rows = hidden[batch.logits_indices]
+        if batch.greedy_ids_only:
+            ids = logits_argmax(rows, self.lm_head.weight)
+            if ids is not None:
+                return ForwardOutput(logits=None, aux_hidden_states=aux, greedy_ids=ids)
+        return ForwardOutput(logits=logits_linear(rows, self.lm_head.weight), aux_hidden_states=aux)

@@ -35,12 +35,13 @@ from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import shaped_probs
+from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
-from eaglet.spec.verify import VerifyResult, verify_greedy, verify_sampling
+from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_ids, verify_sampling
 
 
 @dataclass
@@ -189,13 +190,17 @@ class EagleWorker:
 
     # ---- plain decoding while speculation is off ------------------------------------------------
     @torch.inference_mode()
-    def plain_decode(self, requests: list[Request], sample: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def plain_decode(self, requests: list[Request], next_tokens: Callable[[ForwardOutput], torch.Tensor]) -> torch.Tensor:
         """One plain target token per request, capturing the features the draft will need to catch up
-        (``catch_up``) when speculation resumes. Returns the sampled tokens."""
-        _, output = self.runner.extend(requests, [1] * len(requests), capture_layers=self.capture_layers)
+        (``catch_up``) when speculation resumes. ``next_tokens`` turns the forward's output (greedy
+        ids where every request's ``greedy_ids_suffice``, else logits) into the tokens it returns."""
+        _, output = self.runner.extend(
+            requests, [1] * len(requests), capture_layers=self.capture_layers,
+            greedy_ids_only=all(r.sampling_params.greedy_ids_suffice for r in requests),
+        )
         for req, feature in zip(requests, output.aux_hidden_states.unbind(0)):
             req.draft_pending_features.append(feature)
-        return sample(output.logits)
+        return next_tokens(output)
 
     def catch_up(self, requests: list[Request]) -> None:
         """Draft extend over the positions decoded without the draft (entry p: feature of p, id of
@@ -273,9 +278,7 @@ class EagleWorker:
         host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
         rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
         slots = self.cache.req_to_token.view(-1)[host[3 * batch_size :]].view(batch_size, scratch)
-        greedy_only = not any(
-            not p.greedy or p.needs_logits_processing or p.logprobs is not None for p in (r.sampling_params for r in requests)
-        )
+        greedy_only = all(r.sampling_params.greedy_ids_suffice for r in requests)
         return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots, greedy_only)
 
     def _draft_tree(
@@ -396,7 +399,9 @@ class EagleWorker:
 
     def _verify(
         self, requests: list[Request], round_rows: RoundRows, tree: DraftTree, is_chain: bool
-    ) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
+    ) -> tuple[VerifyResult, torch.Tensor | None, torch.Tensor]:
+        """The verify forward and its result; the target's logits [B, N, V] too, unless the forward
+        returned only its greedy ids (a greedy-only round)."""
         batch_size, n = tree.tokens.shape
         prefix = round_rows.prefix_t
         batch = ForwardBatch.build(
@@ -411,9 +416,12 @@ class EagleWorker:
             capture_layers=self.capture_layers,
             # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
             custom_mask=None if is_chain else tree_attention_mask(tree, prefix, max(round_rows.prefix) + n),
+            greedy_ids_only=round_rows.greedy_only,
         )
         with self._verify_clock:
             output = self.runner.model(batch, self.runner.backend)
+        if output.greedy_ids is not None:
+            return verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n)), None, output.aux_hidden_states
         raw_logits = output.logits.view(batch_size, n, -1)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]

@@ -39,7 +39,7 @@ import torch
 from eaglet import kernels
 from eaglet.layers.sampler import greedy_tokens
 
-__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_sampling"]
+__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_ids", "verify_sampling"]
 
 
 @dataclass
@@ -223,6 +223,21 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     if torch.equal(parents, (index - 1).expand(batch, n)):  # a chain: node i's parent is i - 1
         return _verify_greedy_chain(tokens, target)
     return _verify_greedy_tree(tokens, parents, target)
+
+
+def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor) -> VerifyResult:
+    """``verify_greedy`` given the target's greedy token after every node, [B, N] (a forward that
+    returned ``greedy_ids``), instead of its logits."""
+    if kernels.loaded() and target_ids.device.type == "cpu":
+        return VerifyResult(torch.ops.eaglet.verify_tree_greedy_ids(tokens.long(), parents.long(), target_ids.long()))
+    if tokens.shape != parents.shape or tokens.shape != target_ids.shape or tokens.dim() != 2:
+        raise ValueError(f"tokens, parents and target_ids must all be [B, N], got {tuple(tokens.shape)}, "
+                         f"{tuple(parents.shape)}, {tuple(target_ids.shape)}")
+    tokens, parents = tokens.long(), parents.long()
+    batch, n = tokens.shape
+    if torch.equal(parents, (torch.arange(n, device=tokens.device) - 1).expand(batch, n)):
+        return _verify_greedy_chain(tokens, target_ids)
+    return _verify_greedy_tree(tokens, parents, target_ids)
 
 
 def _verify_greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
