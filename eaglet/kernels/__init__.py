@@ -2,12 +2,12 @@
 
 The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (greedy tokens),
 ``topk_logprobs`` (the draft's tree proposals), ``select_draft_tree`` and ``tree_attention_mask``
-(EAGLE-2 tree selection and its verify mask), ``verify_tree_greedy`` and ``commit_table`` (a
-speculative round's acceptance and commit),
+(EAGLE-2 tree selection and its verify mask), ``verify_tree_greedy`` / ``verify_tree_greedy_ids``
+and ``commit_table`` (a speculative round's acceptance, from logits or greedy ids, and commit),
 ``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
 ``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
-AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles), ``amx_swiglu`` and ``moe_routed_experts`` (all
-routed experts in one call). Each does in one call
+AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles), ``amx_linear_argmax`` (an lm_head's greedy ids
+without its logits), ``amx_swiglu`` and ``moe_routed_experts`` (all routed experts in one call). Each does in one call
 what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
 its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
 draft's midlayer) through those kernels in one call per forward, and a draft's whole top-1 chain
