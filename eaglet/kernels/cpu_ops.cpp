@@ -427,9 +427,10 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
 // matching path.
 // The greedy walk of verify_tree_greedy over [B, N] int64 trees: pick(b, j) is the target's token
 // after node j of request b, asked only for nodes on matching paths (a chain's only up to its first
-// rejection) and from the thread that walks request b; pick_at keeps each node's answer.
+// rejection) and from the thread that walks request b; pick_at keeps each node's answer. Requests
+// are split over threads in chunks of ``grain`` (the batch size: all on the calling thread).
 template <typename Pick>
-at::Tensor greedy_walk(const at::Tensor& tokens, const at::Tensor& parents, const char* op, const Pick& pick) {
+at::Tensor greedy_walk(const at::Tensor& tokens, const at::Tensor& parents, const char* op, int64_t grain, const Pick& pick) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0 && parents.sizes() == tokens.sizes() &&
                   parents.scalar_type() == at::kLong,
               op, ": int64 tokens and parents [B, N] with N >= 1");
@@ -454,7 +455,7 @@ at::Tensor greedy_walk(const at::Tensor& tokens, const at::Tensor& parents, cons
   }
   at::Tensor out = at::full({batch, max_depth + 2}, -1, t.options());
   int64_t* op_out = out.data_ptr<int64_t>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch, std::max<int64_t>(grain, 1), [&](int64_t begin, int64_t end) {
     std::vector<int64_t> picked(n);
     std::vector<char> matched(n);
     for (int64_t b = begin; b < end; ++b) {
@@ -490,7 +491,7 @@ at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parent
   const int64_t n = tokens.size(1), vocab = x.size(2);
   at::Tensor out;
   with_logits(x, "verify_tree_greedy", [&](const auto* xp) {
-    out = greedy_walk(tokens, parents, "verify_tree_greedy",
+    out = greedy_walk(tokens, parents, "verify_tree_greedy", 1,
                       [&](int64_t b, int64_t node) { return argmax_row(xp + (b * n + node) * vocab, vocab); });
   });
   return out;
@@ -504,7 +505,9 @@ at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& pa
   const at::Tensor ids = target_ids.contiguous();
   const int64_t n = tokens.size(1);
   const int64_t* ip = ids.data_ptr<int64_t>();
-  return greedy_walk(tokens, parents, "verify_tree_greedy_ids", [&](int64_t b, int64_t node) { return ip[b * n + node]; });
+  // A few integer compares per request: a thread pool's wake-up would cost more.
+  return greedy_walk(tokens, parents, "verify_tree_greedy_ids", tokens.size(0),
+                     [&](int64_t b, int64_t node) { return ip[b * n + node]; });
 }
 
 // What a speculative round commits (eagle_worker._commit), from a verification's [B, D + 2] table
