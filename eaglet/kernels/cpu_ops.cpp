@@ -1379,28 +1379,50 @@ const at::BFloat16* padded_tiles(const at::Tensor& x, int64_t k_blocks, std::vec
 // Parallel over threads once the weight is big enough for the pool's wake-up (a few us) to pay.
 inline bool worth_threads(int64_t m, int64_t n, int64_t k) { return n * k * std::max<int64_t>(m, kTileRows) >= (int64_t{1} << 22); }
 
+// The checked inputs of a GEMM on a weight packed by amx_pack_weight: x [M, K] bfloat16, its rows
+// zero-padded to whole tiles in a buffer of the calling thread (x_pad(), made on first use), and a
+// bfloat16 bias [N] or none.
+struct AmxLinearInputs {
+  const at::Tensor& x;
+  int64_t m, k_blocks, kp, group_elems;
+  const at::BFloat16* weight;
+  at::Tensor bias_c;
+  const at::BFloat16* bias_data;
+
+  AmxLinearInputs(const at::Tensor& x_, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias, const char* op)
+      : x(x_) {
+    TORCH_CHECK(amx_supported(), op, ": this CPU or build has no AMX");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": bfloat16 x [M, K]");
+    check_packed(packed, x.size(1), n, op);
+    if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, op, ": bfloat16 bias [N]");
+    m = x.size(0);
+    k_blocks = packed.size(1);
+    kp = k_blocks * kTileK;
+    group_elems = 4 * k_blocks * kTileK * kTileN;
+    weight = packed.data_ptr<at::BFloat16>();
+    bias_c = bias ? bias->contiguous() : at::Tensor();
+    bias_data = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
+  }
+
+  const at::BFloat16* x_pad() const {
+    thread_local std::vector<at::BFloat16> buffer;
+    return padded_tiles(x.stride(1) == 1 ? x : x.contiguous(), k_blocks, buffer);
+  }
+};
+
 // x [M, K] @ W^T with W packed by amx_pack_weight, out bfloat16 [M, N] (+ bias). Each output row
 // comes from its own tile row: its bits do not depend on M or on the other rows.
 // x @ W^T (+ bias) on AMX tiles, rounded to bfloat16; ``widened``: those bfloat16 values as float32
 // (an lm_head's logits, which callers take in float32).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                       bool widened = false) {
-  TORCH_CHECK(amx_supported(), "amx_linear: this CPU or build has no AMX");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 x [M, K]");
-  check_packed(packed, x.size(1), n, "amx_linear");
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "amx_linear: bfloat16 bias [N]");
-  const int64_t m = x.size(0), k_blocks = packed.size(1), n_groups = packed.size(0) / 4;
+  const AmxLinearInputs in(x, packed, n, bias, "amx_linear");
+  const int64_t m = in.m, k_blocks = in.k_blocks, kp = in.kp, group_elems = in.group_elems, n_groups = packed.size(0) / 4;
   at::Tensor out = at::empty({m, n}, x.options().dtype(widened ? at::kFloat : at::kBFloat16));
   if (m == 0) return out;
-  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
-  thread_local std::vector<at::BFloat16> x_pad;
-  const at::BFloat16* xp = padded_tiles(xr, k_blocks, x_pad);
-  const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16 *xp = in.x_pad(), *wp = in.weight, *bp = in.bias_data;
   at::BFloat16* op = widened ? nullptr : out.data_ptr<at::BFloat16>();
   float* op_widened = widened ? out.data_ptr<float>() : nullptr;
-  const int64_t kp = k_blocks * kTileK, group_elems = 4 * k_blocks * kTileK * kTileN;
   at::parallel_for(0, n_groups, worth_threads(m, n, kp) ? 1 : n_groups, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<float> c(m * kGroupN);
@@ -1485,21 +1507,12 @@ struct RunningArgmax {
 // each thread keeps a running argmax per row over its column groups, and the threads' answers are
 // merged in column order (the first NaN, else the first maximum, as torch.argmax). [M] int64.
 at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_supported(), "amx_linear_argmax: this CPU or build has no AMX");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear_argmax: bfloat16 x [M, K]");
   TORCH_CHECK(n > 0 && n < std::numeric_limits<int32_t>::max(), "amx_linear_argmax: 1 to 2^31 - 2 columns");
-  check_packed(packed, x.size(1), n, "amx_linear_argmax");
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "amx_linear_argmax: bfloat16 bias [N]");
-  const int64_t m = x.size(0), k_blocks = packed.size(1), n_groups = (n + kGroupN - 1) / kGroupN;
+  const AmxLinearInputs in(x, packed, n, bias, "amx_linear_argmax");
+  const int64_t m = in.m, k_blocks = in.k_blocks, kp = in.kp, group_elems = in.group_elems, n_groups = (n + kGroupN - 1) / kGroupN;
   at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
   if (m == 0) return out;
-  const at::Tensor xr = x.stride(1) == 1 ? x : x.contiguous();
-  thread_local std::vector<at::BFloat16> x_pad;
-  const at::BFloat16* xp = padded_tiles(xr, k_blocks, x_pad);
-  const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = bias ? bias_c.data_ptr<at::BFloat16>() : nullptr;
-  const int64_t kp = k_blocks * kTileK, group_elems = 4 * k_blocks * kTileK * kTileN;
+  const at::BFloat16 *xp = in.x_pad(), *wp = in.weight, *bp = in.bias_data;
   struct Best {
     float value;
     int64_t index;
