@@ -482,10 +482,8 @@ at::Tensor greedy_walk(const at::Tensor& tokens, const at::Tensor& parents, cons
 }
 
 at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits) {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.size(1) > 0 && parents.sizes() == tokens.sizes() &&
-                  parents.scalar_type() == at::kLong,
-              "verify_tree_greedy: int64 tokens and parents [B, N] with N >= 1");
-  TORCH_CHECK(logits.dim() == 3 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) && logits.size(2) > 0,
+  TORCH_CHECK(logits.dim() == 3 && tokens.dim() == 2 && logits.size(0) == tokens.size(0) && logits.size(1) == tokens.size(1) &&
+                  logits.size(2) > 0,
               "verify_tree_greedy: logits [B, N, V] matching the tokens, V >= 1");
   const at::Tensor x = logits.contiguous();
   const int64_t n = tokens.size(1), vocab = x.size(2);

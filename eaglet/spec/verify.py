@@ -216,13 +216,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
         return VerifyResult(torch.ops.eaglet.verify_tree_greedy(tokens.long(), parents.long(), logits))
     _check_inputs(tokens, parents, logits, "logits")
-    tokens, parents = tokens.long(), parents.long()
-    batch, n = tokens.shape
-    index = torch.arange(n, device=tokens.device)
-    target = greedy_tokens(logits)  # [B, N] the target's next token after each node
-    if torch.equal(parents, (index - 1).expand(batch, n)):  # a chain: node i's parent is i - 1
-        return _verify_greedy_chain(tokens, target)
-    return _verify_greedy_tree(tokens, parents, target)
+    return _verify_greedy_picks(tokens.long(), parents.long(), greedy_tokens(logits))
 
 
 def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor) -> VerifyResult:
@@ -233,11 +227,15 @@ def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, target_ids: t
     if tokens.shape != parents.shape or tokens.shape != target_ids.shape or tokens.dim() != 2:
         raise ValueError(f"tokens, parents and target_ids must all be [B, N], got {tuple(tokens.shape)}, "
                          f"{tuple(parents.shape)}, {tuple(target_ids.shape)}")
-    tokens, parents = tokens.long(), parents.long()
+    return _verify_greedy_picks(tokens.long(), parents.long(), target_ids)
+
+
+def _verify_greedy_picks(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
+    """The list walk of ``verify_greedy`` given the target's next token after each node [B, N]."""
     batch, n = tokens.shape
-    if torch.equal(parents, (torch.arange(n, device=tokens.device) - 1).expand(batch, n)):
-        return _verify_greedy_chain(tokens, target_ids)
-    return _verify_greedy_tree(tokens, parents, target_ids)
+    if torch.equal(parents, (torch.arange(n, device=tokens.device) - 1).expand(batch, n)):  # a chain
+        return _verify_greedy_chain(tokens, target)
+    return _verify_greedy_tree(tokens, parents, target)
 
 
 def _verify_greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
