@@ -109,8 +109,10 @@ def padded_rows(rows: int) -> int:
 # single row, and (for some layouts) 2-15 rows against 16 or more, take different kernels
 # (tests/test_layer_fast_paths.py). Greedy speculation is lossless only if a verify pass gives each
 # token the bits plain decoding gives it, so the float32 products whose row count differs between
-# the two (absorbed attention, routing) run at no fewer rows than these.
-MIN_BMM_ROWS = 2  # [H, T, K] x [H, K, N] with row-major operands: one row vs two or more
+# the two (absorbed attention, routing) run at no fewer rows than these. The thresholds depend on
+# the CPU MKL dispatches for: on AVX512 Xeons one row differs from two or more, on an AVX512 EPYC
+# (Zen 4) 1-3 rows differ from four or more, in bmm and F.linear alike.
+MIN_BMM_ROWS = 4  # [H, T, K] x [H, K, N] with row-major operands
 MIN_GEMM_ROWS = 16  # F.linear, and bmm against a transposed operand (attention scores)
 
 

@@ -172,7 +172,7 @@ class RoutedExperts(nn.Module):
         num_tokens = x.shape[0]
         combine = torch.zeros(num_tokens, 1, self.num_experts, dtype=x.dtype)
         combine.scatter_(2, expert_ids[:, None, :], weights[:, None, :].to(x.dtype))  # [T, 1, E]
-        x = rows_at_least(x, MIN_BMM_ROWS)  # float32 bmm: one row takes another kernel than two
+        x = rows_at_least(x, MIN_BMM_ROWS)  # float32 bmm: a few rows take another kernel than more
         gate, up = torch.bmm(x.expand(self.num_experts, *x.shape), self.w13_t).chunk(2, dim=-1)
         expert_out = torch.bmm(F.silu(gate) * up, self.w2_t)[:, :num_tokens]  # [E, T, hidden]
         return torch.bmm(combine, expert_out.transpose(0, 1)).squeeze(1)
