@@ -152,6 +152,8 @@ def wait_for_idle(max_wait_s: float, threshold: float = 0.15, window_s: float = 
 def machine_info() -> dict:
     import transformers
 
+    from eaglet import kernels
+
     return {
         "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
@@ -164,6 +166,7 @@ def machine_info() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl": torch.backends.mkl.is_available(),
         "mkldnn": torch.backends.mkldnn.is_available(),
+        "tile_backend": kernels.tile_backend(),  # what eaglet's bfloat16 GEMM kernels run on
         "mem_total_gib": _mem_total_gib(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
         "eaglet_git": _git_describe(),

@@ -126,11 +126,13 @@ def main() -> int:
         return 1
     with torch.no_grad():  # not inference_mode: packed weights track their version
         bench_rms_norm(args.reps)
-        if torch.ops.eaglet_info.amx_supported():
+        backend = kernels.tile_backend()
+        if backend is not None:
+            print(f"tile-layout kernels on {backend}")
             bench_linear(args.reps)
             bench_experts(args.reps)
         else:
-            print("amx_linear / routed experts: this CPU has no AMX, the kernels are not used")
+            print("amx_linear / routed experts: this CPU has neither AMX nor AVX512-BF16, the kernels are not used")
         bench_attention(args.reps)
     return 0
 

@@ -483,6 +483,8 @@ def print_table(record: dict) -> None:
     print(f"\n=== eaglet bench: {record['args']['new_tokens']} new tokens, prompt {record['args']['prompt_len']}, "
           f"median of {record['args']['repeats']}+ runs (until {record['args']['min_seconds']:g} s, "
           f"at most {record['args']['max_repeats']}) ===")
+    machine = record.get("machine", {})
+    print(f"cpu {machine.get('cpu_model')}, bfloat16 tile kernels on {machine.get('tile_backend') or 'none'}")
     if record.get("bandwidth"):
         print(f"memory read bandwidth {record['bandwidth']['read_gbps']:.1f} GB/s")
     print(HEADER)

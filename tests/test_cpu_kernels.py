@@ -161,12 +161,12 @@ def test_router_rejects_a_top_k_beyond_the_kept_experts():
         router(torch.randn(2, 96))
 
 
-# ---- AMX bfloat16 GEMMs and routed experts --------------------------------------------------
+# ---- bfloat16 GEMMs in AMX tile layout and routed experts---------------------------------------------
 
-amx = pytest.mark.skipif(not (kernels.available() and torch.ops.eaglet_info.amx_supported()), reason="CPU without AMX")
+tile_kernels = pytest.mark.skipif(kernels.tile_backend() is None, reason="CPU without AMX or AVX512-BF16")
 
 
-@amx
+@tile_kernels
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(960, 512, False), (70, 40, True), (32000, 64, False)])
 def test_amx_linear_matches_f_linear_and_gives_a_row_the_same_bits_at_any_row_count(out_features, in_features, bias):
     g = torch.Generator().manual_seed(out_features)
@@ -187,7 +187,7 @@ def test_amx_linear_matches_f_linear_and_gives_a_row_the_same_bits_at_any_row_co
         assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
 
 
-@amx
+@tile_kernels
 def test_amx_linear_rejects_a_weight_it_did_not_pack():
     weight = torch.randn(64, 32).bfloat16()
     packed = torch.ops.eaglet.amx_pack_weight(weight)
@@ -197,7 +197,7 @@ def test_amx_linear_rejects_a_weight_it_did_not_pack():
         torch.ops.eaglet.amx_linear(torch.randn(2, 32).bfloat16(), weight, 64, None)
 
 
-@amx
+@tile_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("out_features", "in_features", "bias"),
                          [(32000, 64, False), (1000, 128, True), (65, 96, False), (64, 32, False), (1, 32, True)])
@@ -231,7 +231,7 @@ def test_fused_lm_head_argmax_is_the_argmax_of_the_logits(out_features, in_featu
         assert int(expected[5]) == 3
 
 
-@amx
+@tile_kernels
 def test_fused_lm_head_argmax_needs_the_amx_copy():
     weight = torch.randn(64, 32).bfloat16()
     with torch.inference_mode():
@@ -250,7 +250,7 @@ def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExpe
     return experts
 
 
-@amx
+@tile_kernels
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden", "inter"), [(1, 2, 512, 256), (13, 3, 96, 40), (40, 1, 72, 48)])
 def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k, hidden, inter):
     experts = _experts(6, hidden, inter, seed=num_tokens)
@@ -271,7 +271,7 @@ def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k,
     assert torch.equal(got, alone)
 
 
-@amx
+@tile_kernels
 @pytest.mark.parametrize(("num_tokens", "hidden", "inter"), [(1, 512, 256), (23, 96, 40)])
 def test_swiglu_matches_pytorch_and_is_row_independent(num_tokens, hidden, inter):
     g = torch.Generator().manual_seed(num_tokens)
@@ -292,7 +292,7 @@ def test_swiglu_matches_pytorch_and_is_row_independent(num_tokens, hidden, inter
     assert torch.equal(got, alone)
 
 
-@amx
+@tile_kernels
 def test_routed_experts_reject_an_expert_id_out_of_range():
     experts = _experts(4, 64, 32, seed=0)
     kernels.use_cpu_kernels(experts)
@@ -323,13 +323,13 @@ class _Layer:
                                     torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uv_t]))
 
 
-def _has_amx() -> bool:
-    return kernels.available() and torch.ops.eaglet_info.amx_supported()
+def _has_tile_kernels() -> bool:
+    return kernels.tile_backend() is not None
 
 
-# float32 projections, and (bfloat16 queries on AMX machines) the AMX ones
+# float32 projections, and (bfloat16 queries where the tile kernels run) the AMX-layout ones
 PROJECTIONS = [pytest.param(False, id="fp32-projections"),
-               pytest.param(True, id="amx-projections", marks=pytest.mark.skipif(not _has_amx(), reason="CPU without AMX"))]
+               pytest.param(True, id="amx-projections", marks=pytest.mark.skipif(not _has_tile_kernels(), reason="CPU without AMX or AVX512-BF16"))]
 
 
 def _cache(dtype: torch.dtype, seed: int = 0) -> KVCacheManager:

@@ -5,9 +5,12 @@ The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (g
 (EAGLE-2 tree selection and its verify mask), ``verify_tree_greedy`` / ``verify_tree_greedy_ids``
 and ``commit_table`` (a speculative round's acceptance, from logits or greedy ids, and commit),
 ``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
-``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, on CPUs with
-AMX, ``amx_linear`` (bfloat16 GEMMs on AMX tiles), ``amx_linear_argmax`` (an lm_head's greedy ids
-without its logits), ``amx_swiglu`` and ``moe_routed_experts`` (all routed experts in one call). Each does in one call
+``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, where
+``tile_backend()`` names one, ``amx_linear`` (bfloat16 GEMMs on weights in AMX tile layout),
+``amx_linear_argmax`` (an lm_head's greedy ids without its logits), ``amx_swiglu`` and
+``moe_routed_experts`` (all routed experts in one call). The tile-layout kernels multiply on AMX
+tiles, or with AVX512-BF16 dot products on CPUs without AMX (AMD Zen 4 and later): the same
+layout and the same per-row order of products, so a row's bits do not depend on its batch. Each does in one call
 what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
 its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
 draft's midlayer) through those kernels in one call per forward, and a draft's whole top-1 chain
@@ -88,9 +91,15 @@ def loaded() -> bool:
     return _loaded
 
 
+def tile_backend() -> str | None:
+    """What the tile-layout kernels multiply on here: "amx", "avx512_bf16", or None (neither, or the
+    kernels unavailable; the model then takes oneDNN's packed GEMMs or F.linear)."""
+    return (torch.ops.eaglet_info.tile_backend() or None) if available() else None
+
+
 def use_cpu_kernels(model: torch.nn.Module) -> int:
     """Switches the model to the kernels (they need ``available()``): RMSNorms, routers and rotary
-    embeddings; on CPUs with AMX, every bfloat16 matrix that ``linear`` multiplies
+    embeddings; where ``tile_backend()`` names one, every bfloat16 matrix that ``linear`` multiplies
     (``packable_weights``) gets its tile layout copy, and the routed experts and each SwiGLU run in
     one call, and a DeepSeek-V3 model's layers (an MLA EAGLE-3 draft's midlayer) run as one
     DecoderStack call wherever every matrix qualifies. Attention is the backend's
@@ -106,13 +115,13 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
 
     if not available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {unavailable_reason()}")
-    amx = torch.ops.eaglet_info.amx_supported()
+    tiles = tile_backend() is not None
     count = 0
     for module in model.modules():
         if isinstance(module, (RMSNorm, NoAuxRouter, RotaryEmbedding)):
             module.fused = True
             count += 1
-        if not amx:
+        if not tiles:
             continue
         for weight in module.packable_weights() if hasattr(module, "packable_weights") else ():
             if weight.dim() == 2 and weight.dtype == torch.bfloat16 and not hasattr(weight, AMX_PACKED):
@@ -140,10 +149,10 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
             module.amx_weights = (getattr(module.gate_up_weight, AMX_PACKED)[0], getattr(module.down_proj.weight, AMX_PACKED)[0])
             count += 1
     for module in model.modules():
-        if amx and isinstance(module, DeepseekV3Model):
+        if tiles and isinstance(module, DeepseekV3Model):
             module.decoder_stack = FusedDecoderStack.build(module)
             count += module.decoder_stack is not None
-        if amx and isinstance(module, Eagle3Draft):
+        if tiles and isinstance(module, Eagle3Draft):
             module.fused_midlayer = FusedMidlayer.build(module)
             count += module.fused_midlayer is not None
     return count

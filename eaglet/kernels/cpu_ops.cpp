@@ -1,6 +1,7 @@
 // Fused CPU kernels for the decode path: RMSNorm, rotary, DeepSeek-V3 routing, the latent cache
-// write and absorbed MLA attention over the paged cache; with AMX, bfloat16 GEMMs, SwiGLU and the
-// routed experts on tiles. Each replaces a chain of small PyTorch ops whose per-op dispatch (not
+// write and absorbed MLA attention over the paged cache; bfloat16 GEMMs, SwiGLU and the routed
+// experts on weights in AMX tile layout, multiplied on AMX tiles or, on CPUs without AMX, with
+// AVX512-BF16 dot products (tile_backend()). Each replaces a chain of small PyTorch ops whose per-op dispatch (not
 // arithmetic) dominates a decode step of a small model.
 //
 // Every kernel computes a row (a token, or a token's head) with the same arithmetic whatever else
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -35,7 +37,7 @@ constexpr int kLanes = 16;
 // the 4 accumulator tiles of one pass cover a group of 64 output columns.
 constexpr int64_t kTileRows = 16, kTileK = 32, kTileN = 16, kGroupN = 4 * kTileN;
 
-bool amx_supported();
+bool tile_kernels_supported();
 void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* what);
 void configure_tiles();
 void release_tiles();
@@ -1017,7 +1019,7 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
   if (w_uk_packed.has_value() != w_uv_packed.has_value()) TORCH_CHECK(false, "mla_absorbed_attention: both AMX copies or neither");
   if (w_uk_packed) {
     const int64_t heads = q_nope.size(1), nope = q_nope.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
-    TORCH_CHECK(amx_supported() && q_bf16, "mla_absorbed_attention: AMX projections need AMX and bfloat16 queries");
+    TORCH_CHECK(tile_kernels_supported() && q_bf16, "mla_absorbed_attention: AMX-layout projections need AMX or AVX512-BF16 and bfloat16 queries");
     TORCH_CHECK(latent % kGroupN == 0 && value % kGroupN == 0, "mla_absorbed_attention: AMX projections need L and V multiples of 64");
     TORCH_CHECK(w_uk_packed->dim() == 6 && w_uk_packed->size(0) == heads && w_uv_packed->dim() == 6 && w_uv_packed->size(0) == heads &&
                     w_uk_packed->is_contiguous() && w_uv_packed->is_contiguous(),
@@ -1163,8 +1165,8 @@ void mla_cache_write(at::Tensor kv, const at::Tensor& out_cache_loc, const at::T
   else cache_write_impl<float, float>(kv, slots, c_kv, k_pe);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr bool kAmx = true;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+constexpr const char* kTileBackend = "amx";
 
 // AMX tiles: tmm0-3 accumulate 16 rows x 64 output columns in float32, tmm4 holds 16 rows x 32
 // bfloat16 of x, tmm5-7 hold weight blocks of 32 (k) x 16 (n) in the pair-interleaved layout.
@@ -1233,7 +1235,71 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
     for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], n_blocks * kTileN * sizeof(float));
   }
 }
+#elif defined(__AVX512BF16__)
+// Without AMX, the same packed layout runs on AVX512-BF16 dot products: a 64-byte row of a weight
+// block (one k pair for its 16 columns) is one vector, and x's pair is broadcast against it.
+constexpr const char* kTileBackend = "avx512_bf16";
 
+bool amx_permitted() { return true; }
+void configure_tiles() {}
+void release_tiles() {}
+
+// Rows r0 .. r0 + R - 1 against NB weight blocks: R * NB accumulators, each one chain of pair
+// products in k order from zero (so an output's bits depend only on its row and column).
+template <int R, int NB>
+inline void bf16_dot_rows(const at::BFloat16* x_pad, int64_t r0, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
+                          float* out, int64_t out_stride) {
+  const int64_t block_elems = kTileK * kTileN, w_step = k_blocks * block_elems;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_setzero_ps();
+  const int32_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = reinterpret_cast<const int32_t*>(x_pad + (r0 + r) * kp);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    const at::BFloat16* wb = w_group + kb * block_elems;
+    for (int64_t pair = 0; pair < kTileK / 2; ++pair) {
+      __m512bh w[NB];
+      for (int nb = 0; nb < NB; ++nb) w[nb] = (__m512bh)_mm512_loadu_si512(wb + nb * w_step + pair * 2 * kTileN);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32(xrow[r][kb * kTileK / 2 + pair]);
+        for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_dpbf16_ps(acc[r][nb], w[nb], xr);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(out + (r0 + r) * out_stride + nb * kTileN, acc[r][nb]);
+}
+
+template <int NB>
+void bf16_dot_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
+                    float* out, int64_t out_stride) {
+  // Six rows x four blocks: 24 of the 32 vector registers accumulate.
+  constexpr int kRows = 6;
+  int64_t r0 = 0;
+  for (; r0 + kRows <= m; r0 += kRows) bf16_dot_rows<kRows, NB>(x_pad, r0, kp, w_group, k_blocks, out, out_stride);
+  switch (m - r0) {
+    case 5: bf16_dot_rows<5, NB>(x_pad, r0, kp, w_group, k_blocks, out, out_stride); break;
+    case 4: bf16_dot_rows<4, NB>(x_pad, r0, kp, w_group, k_blocks, out, out_stride); break;
+    case 3: bf16_dot_rows<3, NB>(x_pad, r0, kp, w_group, k_blocks, out, out_stride); break;
+    case 2: bf16_dot_rows<2, NB>(x_pad, r0, kp, w_group, k_blocks, out, out_stride); break;
+    case 1: bf16_dot_rows<1, NB>(x_pad, r0, kp, w_group, k_blocks, out, out_stride); break;
+    default: break;
+  }
+}
+
+// amx_group's contract (below, with AMX) on AVX512-BF16.
+void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
+               float* out, int64_t out_stride, int64_t n_blocks) {
+  switch (n_blocks) {
+    case 1: bf16_dot_group<1>(x_pad, m, kp, w_group, k_blocks, out, out_stride); break;
+    case 2: bf16_dot_group<2>(x_pad, m, kp, w_group, k_blocks, out, out_stride); break;
+    case 3: bf16_dot_group<3>(x_pad, m, kp, w_group, k_blocks, out, out_stride); break;
+    default: bf16_dot_group<4>(x_pad, m, kp, w_group, k_blocks, out, out_stride); break;
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
 // row_scores[r * keys + s] = bfloat16(rows[r]) . key s, for r < num_rows, s < keys, on tiles: the
 // keys are the A rows (16 per tile, read straight from the cache where a block holds them, else
 // copied), the queries a packed B block of 16 columns. A score is one tile-product chain over qdim
@@ -1325,16 +1391,22 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
   }
 }
 #else
-constexpr bool kAmx = false;
-bool amx_permitted() { return false; }
-void configure_tiles() {}
-void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t, int64_t) {}
 void amx_key_scores(const float* const*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float*) {}
 void amx_value_sums(const float*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float* const*) {}
-void release_tiles() {}
 #endif
 
-bool amx_supported() { return kAmx && amx_permitted(); }
+#if !defined(__AVX512BF16__)
+constexpr const char* kTileBackend = "";
+bool amx_permitted() { return false; }
+void configure_tiles() {}
+void release_tiles() {}
+void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t, int64_t) {}
+#endif
+
+// The tile-layout kernels run here: on AMX tiles, or on AVX512-BF16 dot products without AMX.
+bool tile_kernels_supported() { return kTileBackend[0] != '\0' && amx_permitted(); }
+
+std::string tile_backend() { return tile_kernels_supported() ? kTileBackend : ""; }
 
 // A bfloat16 weight [N, K] in the tile layout: blocks of 16 columns (padded to groups of four
 // blocks) x 32 k, each block 16 rows of (k pair) x 16 columns x 2.
@@ -1389,7 +1461,7 @@ struct AmxLinearInputs {
 
   AmxLinearInputs(const at::Tensor& x_, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias, const char* op)
       : x(x_) {
-    TORCH_CHECK(amx_supported(), op, ": this CPU or build has no AMX");
+    TORCH_CHECK(tile_kernels_supported(), op, ": this CPU or build has neither AMX nor AVX512-BF16");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": bfloat16 x [M, K]");
     check_packed(packed, x.size(1), n, op);
     if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, op, ": bfloat16 bias [N]");
@@ -1576,7 +1648,7 @@ void swiglu_act(const float* gate_up, int64_t inter, at::BFloat16* act) {
 // SwiGLU (the dense MLP and the shared experts) in one call: x @ [gate; up]^T on AMX tiles, the
 // activation as swiglu_act, then @ down^T, bfloat16 out. Rows are computed alone.
 at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t inter) {
-  TORCH_CHECK(amx_supported(), "amx_swiglu: this CPU or build has no AMX");
+  TORCH_CHECK(tile_kernels_supported(), "amx_swiglu: this CPU or build has neither AMX nor AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_swiglu: bfloat16 x [T, D]");
   const int64_t tokens = x.size(0), hidden = x.size(1);
   check_packed(w13, hidden, 2 * inter, "amx_swiglu gate_up");
@@ -1629,7 +1701,7 @@ at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tens
 // in ascending expert id. Every (token, expert) row is computed alone: the same bits at any batch.
 at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, const at::Tensor& w2_all,
                               const at::Tensor& weights, const at::Tensor& ids, int64_t inter) {
-  TORCH_CHECK(amx_supported(), "moe_routed_experts: this CPU or build has no AMX");
+  TORCH_CHECK(tile_kernels_supported(), "moe_routed_experts: this CPU or build has neither AMX nor AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_routed_experts: bfloat16 x [T, D]");
   TORCH_CHECK(w13_all.dim() == 6 && w2_all.dim() == 6 && w13_all.size(0) == w2_all.size(0) && w13_all.is_contiguous() &&
                   w2_all.is_contiguous(),
@@ -2073,7 +2145,7 @@ struct DecoderStack : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eaglet_info, m) {
-  m.def("amx_supported", amx_supported);
+  m.def("tile_backend", tile_backend);
 }
 
 TORCH_LIBRARY(eaglet, m) {

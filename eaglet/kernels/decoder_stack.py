@@ -5,8 +5,8 @@ A small model's decode step is dominated by Python: about 20 op calls and 8 modu
 layer, each some microseconds, around kernels that take tens. The stack runs the same kernels
 that ``DecoderLayer.forward`` reaches through RMSNorm, MLAAttention, FusedCPUMLABackend, MoE and
 SwiGLU, on the same inputs and in the same order, from C++: the same bits (tests/test_decoder_stack.py).
-It applies where that Python path would run the AMX kernels throughout: a bfloat16 model whose
-matrices all have tile copies, no autograd, at most PADDED_MAX_ROWS tokens, and a batch the fused
+It applies where that Python path would run the tile-layout kernels (AMX or AVX512-BF16)
+throughout: a bfloat16 model whose matrices all have tile copies, no autograd, at most PADDED_MAX_ROWS tokens, and a batch the fused
 backend attends in the absorbed form (decode, verify, draft extends). Other batches (prefill) take
 the layer-by-layer path. The stack holds the tile copies made when the kernels were switched on:
 unlike ``linear``, it does not notice a weight changed in place afterwards (inference never does;
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
     """The layer's weights by the roles DecoderStack.add_layer takes, or None where one of its
-    matrices would not run on the AMX kernels."""
+    matrices would not run on the tile-layout kernels."""
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(attn, MLAAttention):
         return None
@@ -84,7 +84,7 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
 
 
 def _build(config: TextConfig, layers: list[nn.Module]) -> torch.ScriptObject | None:
-    """A DecoderStack of ``layers``; None if one of them would not run on the AMX kernels."""
+    """A DecoderStack of ``layers``; None if one of them would not run on the tile-layout kernels."""
     if not layers or any(layer.input_layernorm.weight.dtype != torch.bfloat16 for layer in layers):
         return None
     ints = [config.hidden_size, config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
@@ -116,7 +116,7 @@ class FusedDecoderStack:
 
     @classmethod
     def build(cls, model: DeepseekV3Model) -> FusedDecoderStack | None:
-        """The stack for ``model`` after ``use_cpu_kernels``; None if any layer would not run on the AMX kernels."""
+        """The stack for ``model`` after ``use_cpu_kernels``; None if any layer would not run on the tile-layout kernels."""
         stack = _build(model.config, list(model.layers))
         return cls(stack) if stack is not None else None
 
@@ -158,7 +158,7 @@ class FusedMidlayer:
         """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) from ``tokens`` [B]
         after each request's ``prefix`` (also as the tensor ``prefix_t``): the chain [B, steps + 2]
         (roots, tokens, the drafted target ids), or None where the per-step Eagle3Draft.forward must
-        run (it would not take the AMX kernels throughout)."""
+        run (it would not take the tile-layout kernels throughout)."""
         head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0])
         if head is None:
             return None
@@ -185,7 +185,7 @@ class FusedMidlayer:
     ) -> tuple | None:
         """What the drafting calls take besides the stack (embeddings, rotary table of ``positions``,
         final norm, lm_head tiles and d2t), or None where a draft step of ``rows`` tokens would not
-        run on the AMX kernels."""
+        run on the tile-layout kernels."""
         lm_head = draft.lm_head_module()
         tiles = amx_tiles(lm_head.weight)
         embed = draft.embed_weight()

@@ -60,8 +60,8 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def logits_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``logits_linear(x, weight, bias).argmax(-1)`` in one AMX kernel that never writes the logits
-    (for an lm_head of 32000 columns at 16 rows: a 2 MB float32 tensor and a pass over it saved), or
+    """``logits_linear(x, weight, bias).argmax(-1)`` in one tile-layout kernel that never writes the
+    logits (for an lm_head of 32000 columns at 16 rows: a 2 MB float32 tensor and a pass over it saved), or
     None where the weight has no AMX copy: the caller then takes the logits."""
     tiles = _amx_tiles_for(x, weight, bias)
     if tiles is None:
@@ -156,8 +156,8 @@ def pack_for_inference(model: nn.Module) -> int:
 
 def pack_weight_for_amx(weight: torch.Tensor) -> None:
     """Attaches the tile-layout copy of a bfloat16 [out, in] weight that ``linear`` then multiplies
-    with eaglet's AMX kernel (torch.ops.eaglet.amx_linear, eaglet/kernels) for any row count: each
-    output row comes from its own tile row, so a token's bits do not depend on how many rows share
+    with eaglet's tile-layout kernel (torch.ops.eaglet.amx_linear, eaglet/kernels) for any row count:
+    each output row comes from its own tile row, so a token's bits do not depend on how many rows share
     the call. Replaces the oneDNN copy (``pack_weight``), whose rounding changes with the row count
     at some shapes."""
     packed = torch.ops.eaglet.amx_pack_weight(weight.detach())
