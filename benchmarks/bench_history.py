@@ -14,7 +14,9 @@ as a break in a column:
 
 A figure the run did not measure (a checkpoint or peer left out, an older record without the
 field) prints as ``-``. Ratios compare engines within one run only: the machine is shared and
-noisy, so absolute tokens/s of different runs do not compare.
+noisy, so absolute tokens/s of different runs do not compare. The ``machine`` column names the
+CPU family and what eaglet's bfloat16 GEMM kernels ran on (``tile_backend``; older records did
+not say): runs on a Xeon with AMX and an EPYC with AVX512-BF16 only compare within each.
 """
 
 from __future__ import annotations
@@ -89,6 +91,16 @@ def headline(record: dict) -> dict[str, float | str | None]:
     return out
 
 
+def machine_label(record: dict) -> str:
+    """``family/tile backend`` of a run's machine (``Xeon/amx``, ``EPYC/avx512_bf16``), as far as
+    the record says."""
+    machine = record.get("machine", {})
+    cpu = machine.get("cpu_model") or ""
+    family = next((name for name in ("Xeon", "EPYC", "Ryzen", "Core") if name in cpu), cpu.split(" ")[0] if cpu else "-")
+    backend = machine.get("tile_backend")
+    return f"{family}/{backend}" if backend else family
+
+
 def _cell(value: float | str | None, column: Column) -> str:
     if value is None:
         return "-"
@@ -100,8 +112,8 @@ def history_table(results_dir: Path) -> str:
     files = sorted(results_dir.glob("bench-*.json"))
     if not files:
         raise FileNotFoundError(f"no bench-*.json in {results_dir}")
-    lines = ["| run | git | " + " | ".join(c.header for c in COLUMNS.values()) + " |",
-             "|---" * (len(COLUMNS) + 2) + "|"]
+    lines = ["| run | git | machine | " + " | ".join(c.header for c in COLUMNS.values()) + " |",
+             "|---" * (len(COLUMNS) + 3) + "|"]
     for path in files:
         run = path.stem.removeprefix("bench-")
         try:
@@ -115,5 +127,5 @@ def history_table(results_dir: Path) -> str:
         figures = headline(record)
         cells = [_cell(figures[key], column) for key, column in COLUMNS.items()]
         git = record.get("machine", {}).get("eaglet_git") or "-"
-        lines.append(f"| {run} | {git} | " + " | ".join(cells) + " |")
+        lines.append(f"| {run} | {git} | {machine_label(record)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

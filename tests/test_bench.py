@@ -125,7 +125,7 @@ def _row(mode: str, batch: int, **fields) -> dict:
 def test_history_prints_each_kept_run_oldest_first(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()
-    full = {"machine": {"eaglet_git": "abc1234"}, "checkpoints": [
+    full = {"machine": {"eaglet_git": "abc1234", "cpu_model": "AMD EPYC", "tile_backend": "avx512_bf16"}, "checkpoints": [
         {"checkpoint": "deepseek-bf16", "rows": [
             _row("plain", 1, over_vllm=2.5, over_transformers=5.25, roofline={"step_over_floor": 0.95}),
             _row("plain", 16, over_vllm=1.8, over_transformers=4.4),
@@ -143,7 +143,8 @@ def test_history_prints_each_kept_run_oldest_first(tmp_path, capsys):
             _row("tree", 64, over_eaglet_plain=0.93),
         ]},
     ]}
-    demo_only = {"checkpoints": [{"checkpoint": "demo", "rows": [_row("chain", 64, over_eaglet_plain=1.1)]}]}
+    demo_only = {"machine": {"cpu_model": "Intel(R) Xeon(R) Processor"},
+                 "checkpoints": [{"checkpoint": "demo", "rows": [_row("chain", 64, over_eaglet_plain=1.1)]}]}
     (results / "bench-20261201-000000.json").write_text(json.dumps(demo_only))
     (results / "bench-20261202-000000.json").write_text(json.dumps(full))
     (results / "bench-20261203-000000.json").write_text("{not json")
@@ -153,14 +154,14 @@ def test_history_prints_each_kept_run_oldest_first(tmp_path, capsys):
     bench.add_arguments(parser)
     assert bench.run(parser.parse_args(["--history", "--results-dir", str(results)])) == 0
     header, rule, *lines = capsys.readouterr().out.strip().splitlines()
-    assert header.startswith("| run | git | plain/vLLM B1 | plain/vLLM B16 | chain/vLLM B1 | chain/vLLM B16 |")
+    assert header.startswith("| run | git | machine | plain/vLLM B1 | plain/vLLM B16 | chain/vLLM B1 | chain/vLLM B16 |")
     assert [line.split(" | ")[0] for line in lines] == ["| 20261201-000000", "| 20261202-000000", "| 20261203-000000",
                                                          "| 20261204-000000"]
     old, new, broken, not_a_record = (line.strip("| ").split(" | ") for line in lines)
     # every figure of the demo-only run but the slowest batch-64 mode (and the lossless count: no field) is missing
-    assert old == ["20261201-000000", "-"] + ["-"] * 10 + ["1.10"] + ["-"] * 3
+    assert old == ["20261201-000000", "-", "Xeon"] + ["-"] * 10 + ["1.10"] + ["-"] * 3
     # chain/vLLM B16 compared against vLLM's plain decoding, not its chain: not a chain figure
-    assert new == ["20261202-000000", "abc1234", "2.50", "1.80", "2.30", "-", "5.25", "4.40", "0.95", "2.44", "1.84",
+    assert new == ["20261202-000000", "abc1234", "EPYC/avx512_bf16", "2.50", "1.80", "2.30", "-", "5.25", "4.40", "0.95", "2.44", "1.84",
                    "1.20", "0.93", "10.4%", "5.0%", "4/5"]
     assert broken[1].startswith("unreadable")
     assert not_a_record[1] == "unreadable: not a bench record (a JSON list)"
