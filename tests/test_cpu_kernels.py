@@ -28,6 +28,19 @@ def test_turned_off_by_environment_variable():
     assert out.strip() == "False turned off by EAGLET_CPU_KERNELS=0"
 
 
+def test_builds_are_cached_per_cpu(monkeypatch, tmp_path):
+    """-march=native builds: one made on an AMX Xeon must not load on an AVX512-BF16 EPYC sharing
+    the cache directory, nor the other way round."""
+    import eaglet.layers.cpu_policy as cpu_policy
+
+    monkeypatch.setenv("EAGLET_KERNEL_CACHE", str(tmp_path))
+    dirs = {}
+    for name, flags in {"xeon": {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "epyc": {"avx512f", "avx512_bf16"}}.items():
+        monkeypatch.setattr(cpu_policy, "cpu_flags", lambda flags=frozenset(flags): flags)
+        dirs[name] = kernels._build_dir()
+    assert dirs["xeon"] != dirs["epyc"] and all(d.parent == tmp_path for d in dirs.values())
+
+
 # ---- argmax ----------------------------------------------------------------------------------
 # (Its agreement with torch.argmax, ties and NaNs included, is tests/test_sampling.py's greedy test.)
 

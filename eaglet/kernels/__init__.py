@@ -17,8 +17,8 @@ draft's midlayer) through those kernels in one call per forward, and a draft's w
 (``draft_chain``) or EAGLE-2 tree (``draft_tree``) in one call per round (``decoder_stack.py``).
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
-``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source and the torch
-version. ``EAGLET_CPU_KERNELS=0`` turns the kernels off; where they cannot be built, ``available()``
+``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source, the torch
+version and the CPU's feature flags. ``EAGLET_CPU_KERNELS=0`` turns the kernels off; where they cannot be built, ``available()``
 is False (with one warning saying why) and callers use the PyTorch ops.
 """
 
@@ -38,8 +38,14 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 
 
 def _build_dir() -> Path:
+    """The build cache of this source, torch version and CPU: the kernels are compiled with
+    -march=native, so a build made on another CPU (a home directory shared between an AMX Xeon and
+    an AVX512-BF16 EPYC, say) may use instructions this one lacks, or miss ones it has."""
+    from eaglet.layers.cpu_policy import cpu_flags
+
     root = Path(os.environ.get("EAGLET_KERNEL_CACHE", Path.home() / ".cache" / "eaglet" / "kernels"))
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    machine = " ".join(sorted(cpu_flags())).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + machine).hexdigest()[:16]
     return root / key
 
 
