@@ -1253,15 +1253,17 @@ inline void bf16_dot_rows(const at::BFloat16* x_pad, int64_t r0, int64_t kp, con
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_setzero_ps();
-  const int32_t* xrow[R];
-  for (int r = 0; r < R; ++r) xrow[r] = reinterpret_cast<const int32_t*>(x_pad + (r0 + r) * kp);
+  const at::BFloat16* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = x_pad + (r0 + r) * kp;
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     const at::BFloat16* wb = w_group + kb * block_elems;
     for (int64_t pair = 0; pair < kTileK / 2; ++pair) {
       __m512bh w[NB];
       for (int nb = 0; nb < NB; ++nb) w[nb] = (__m512bh)_mm512_loadu_si512(wb + nb * w_step + pair * 2 * kTileN);
       for (int r = 0; r < R; ++r) {
-        const __m512bh xr = (__m512bh)_mm512_set1_epi32(xrow[r][kb * kTileK / 2 + pair]);
+        int32_t x_pair;  // x's two bfloat16 values of this k pair (memcpy: no aliasing through int32_t*)
+        std::memcpy(&x_pair, xrow[r] + kb * kTileK + 2 * pair, sizeof(x_pair));
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32(x_pair);
         for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_dpbf16_ps(acc[r][nb], w[nb], xr);
       }
     }
