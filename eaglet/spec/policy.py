@@ -26,13 +26,16 @@ deepest with the slope of the two deepest. The policy runs the level with the mo
 tokens per second; if that is an estimate, running it measures it. So trials are only spent on
 levels that look best, and a 16-step configuration does not spend 32 steps measuring every depth.
 
-A bucket re-measures another level now and then (afresh: ``min_samples`` new steps replace its
-old ones), in turn the best one's neighbours and then any other, so that a bad early
-measurement, a poor estimate, or a change in load or in acceptance is noticed. A probe costs a
-worse round, so the interval starts at ``probe_interval`` steps (four times that when plain
-decoding is best: leaving it also pays the draft's catch-up over the plain steps) and doubles
-after each probe that leaves the best level as it was, up to ``max_probe_interval``; a probe
-that changes it starts over.
+A bucket re-measures another level now and then, in turn the best one's neighbours and then any
+other, so that a bad early measurement, a poor estimate, or a change in load or in acceptance is
+noticed. A probe runs one step, whose time replaces the level's old ones; only if that step makes
+the level look best does it run again (a best level with fewer than ``min_samples`` steps is
+measured), so a probe that finds nothing costs one worse round, not ``min_samples``: at batch 64
+on a CPU where a verify costs its rows' arithmetic, such rounds and the uneven lengths they leave
+behind are what a speculative engine loses against plain decoding. The interval starts at
+``probe_interval`` steps (four times that when plain decoding is best: leaving it also pays the
+draft's catch-up over the plain steps) and doubles after each probe that leaves the best level as
+it was, up to ``max_probe_interval``; a probe that changes it starts over.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class _Bucket:
     start: int = 0  # the speculative anchor level
     companion: int | None = None  # the other family's anchor (tree configurations)
     best: int | None = None
-    probing: int | None = None  # the level a probe is re-measuring
+    probing: int | None = None  # the level a probe is re-measuring (one step)
 
 
 class SpeculationPolicy:
@@ -148,9 +151,11 @@ class SpeculationPolicy:
             start = self._start_level(size)
             bucket = self.buckets[size] = _Bucket(start=start, companion=self._companion(start))
         bucket.decisions += 1
-        for level in (bucket.start, 0, bucket.companion, bucket.probing):
+        for level in (bucket.start, 0, bucket.companion):
             if level is not None and len(bucket.seconds.get(level, ())) < self.min_samples:
                 return level
+        if bucket.probing is not None and bucket.probing not in bucket.seconds:
+            return bucket.probing
         bucket.probing = None
         best = self._best_level(self.step_seconds(bucket))
         if len(bucket.seconds.get(best, ())) < self.min_samples:
@@ -169,7 +174,7 @@ class SpeculationPolicy:
             bucket.probe_interval = min(2 * bucket.probe_interval, self.max_probe_interval)
             bucket.next_probe = bucket.decisions + bucket.probe_interval
             bucket.probing = self._probe_level(best, bucket.probes)
-            bucket.seconds.pop(bucket.probing, None)  # measured afresh, min_samples times
+            bucket.seconds.pop(bucket.probing, None)  # measured afresh
             return bucket.probing
         return best
 
