@@ -5,11 +5,14 @@ and the latents written to the cache, for ragged decode, chain verify and tree v
 the target, and for every draft forward of speculative rounds (the MLA draft's midlayer).
 """
 
+import itertools
+
 import pytest
 import torch
 
 from eaglet import LLM, SamplingParams, kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.kernels.decoder_stack import FusedMidlayer
 from eaglet.layers.attention_backend import FusedCPUMLABackend
 from checkpoints import write_deepseek_v3_checkpoint
 from spec_fixtures import echo_draft, echo_text_target
@@ -253,10 +256,12 @@ def test_stack_rejects_a_hidden_state_of_the_wrong_width(llm):
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
-def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, shape):
+def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypatch, shape):
     """Each draft forward of real rounds (step batches, the extend after each verify, with the
     draft cache they really see) runs both ways from the same cache: the same logits, fed-back
-    hidden and draft latents."""
+    hidden and draft latents. (Top-1 extends in one call are the next test's; here they take
+    Eagle3Draft.forward.)"""
+    monkeypatch.setattr(FusedMidlayer, "extend_greedy", lambda *args: None)
     target = echo_text_target(tmp_path / "target", alpha=1.0, dtype=torch.bfloat16)
     draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
     steps, topk, tokens = shape
@@ -290,6 +295,52 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, shape):
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 10 for out in outputs)
     assert sum(fused_calls) >= 3 and not all(fused_calls)  # step batches fused, prefill extends not
+
+
+def test_top1_draft_extend_in_one_call_matches_the_draft_forward(tmp_path):
+    """Every draft extend of real rounds (after each verify, and the catch-up over plain steps
+    between rounds) runs both ways from the same cache: DecoderStack.extend_greedy, and
+    Eagle3Draft.forward with the argmax of its logits. The same proposals, fed-back hidden and
+    draft latents; prefill extends (attended decompressed) take the forward. Output = plain decoding."""
+    target = echo_text_target(tmp_path / "target", alpha=0.5, dtype=torch.bfloat16)
+    draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
+    llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(draft_path), speculative_num_steps=3, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=4)
+    worker = llm.engine.spec_worker
+    draft, midlayer = worker.draft, worker.draft.fused_midlayer
+    assert midlayer is not None
+    one_call = midlayer.extend_greedy
+    extends = []
+
+    def both_ways(d, batch, backend, features):
+        before = worker.pool.kv.clone()
+        fused = one_call(d, batch, backend, features)
+        extends.append((fused is not None, max(batch.extend_seq_lens_cpu)))
+        if fused is None:
+            return None
+        fused_kv = worker.pool.kv.clone()
+        worker.pool.kv.copy_(before)
+        out = draft.forward(batch, backend, features, hidden_is_target_features=True)
+        assert torch.equal(fused[0], draft.greedy_target_ids(out.logits))
+        assert torch.equal(fused[1], out.hidden_out)
+        assert torch.equal(fused_kv, worker.pool.kv)
+        return fused
+
+    midlayer.extend_greedy = both_ways
+    levels = itertools.cycle([3, 0, 0])  # rounds, each after two plain steps: catch-ups of 2 tokens
+    llm.engine.spec_policy.choose = lambda *args, **kwargs: next(levels)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 5 * i))} for i in range(3)]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [out.token_ids for out in llm.generate(prompts, params)]
+    fused_lens = {n for fused, n in extends if fused}
+    assert {2, 4} <= fused_lens and not all(fused for fused, _ in extends)  # catch-ups and rounds; not prefill
+    plain = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True)
+    assert got == [out.token_ids for out in plain.generate(prompts, params)]
+    ids, rows, table = torch.zeros(2, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, 2, 2)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="extend_greedy: int64 ids"):
+        midlayer.stack.extend_greedy(ids.float(), rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
+                                     rows, ids, rows, ids, ids, None)
 
 
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(5, 1, 6), (4, 2, 8), (3, 4, 10), (1, 3, 3)])

@@ -1927,6 +1927,33 @@ struct DecoderStack : torch::CustomClassHolder {
     return layer_forward(l, 0, x, h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
   }
 
+  // A draft extend for top-1 drafting in one call, as Eagle3Draft.forward (target features in, no
+  // fc_norm) and EagleWorker._set_draft_states do it: fc over the features, the midlayer over the
+  // ragged batch, then at the flat rows `logits_rows` the final norm, the lm_head's first maximal
+  // logit (amx_linear_argmax) and d2t. rope_table [> max(positions), 2, R / 2]. Returns [the
+  // target ids [R], the hidden fed to the next step [R, H]].
+  std::vector<at::Tensor> extend_greedy(at::Tensor ids, at::Tensor features, at::Tensor fc, int64_t fc_out, at::Tensor embed,
+                                        at::Tensor rope_table, at::Tensor positions, at::Tensor norm_weight, double norm_eps,
+                                        at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
+                                        bool norm_output, at::Tensor logits_rows, at::Tensor kv, at::Tensor out_cache_loc,
+                                        at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts,
+                                        c10::optional<at::Tensor> custom_mask) {
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && positions.sizes() == ids.sizes() &&
+                    positions.scalar_type() == at::kLong && logits_rows.dim() == 1 && logits_rows.scalar_type() == at::kLong &&
+                    d2t.scalar_type() == at::kLong,
+                "DecoderStack.extend_greedy: int64 ids [T], positions [T], logits_rows [R] and d2t");
+    TORCH_CHECK(features.dim() == 2 && features.size(0) == ids.size(0), "DecoderStack.extend_greedy: features [T, F]");
+    TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2, "DecoderStack.extend_greedy: rope_table [P, 2, R / 2]");
+    const at::Tensor h = amx_linear(features, fc, fc_out, c10::nullopt);
+    const at::Tensor cos_sin = rope_table.index_select(0, positions);
+    const at::Tensor out = forward_eagle3(embed.index_select(0, ids), h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
+                                          out_cache_loc, slots, kv_lens, token_starts, custom_mask);
+    const at::Tensor rows = out.index_select(0, logits_rows);
+    const at::Tensor normed = rms_norm(rows, norm_weight, norm_eps);
+    const at::Tensor draft_ids = amx_linear_argmax(normed, lm_head, vocab, lm_head_bias);
+    return {draft_ids + d2t.index_select(0, draft_ids), norm_output ? normed : rows};
+  }
+
   // Top-1 drafting of a speculative round in one call: `steps` midlayer forwards, step s (from 1)
   // feeding each request its previous token and fed-back hidden at position prefix + s - 1, which
   // is also the row index its draft entry is written to; it sees row indices < prefix + s (a chain's
@@ -2157,6 +2184,7 @@ TORCH_LIBRARY(eaglet, m) {
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward)
       .def("forward_eagle3", &DecoderStack::forward_eagle3)
+      .def("extend_greedy", &DecoderStack::extend_greedy)
       .def("draft_chain", &DecoderStack::draft_chain)
       .def("draft_tree", &DecoderStack::draft_tree);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

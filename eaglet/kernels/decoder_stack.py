@@ -151,6 +151,28 @@ class FusedMidlayer:
         inputs = _absorbed_inputs(backend, hidden, batch)
         return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None
 
+    def extend_greedy(
+        self, draft: Eagle3Draft, batch: ForwardBatch, backend: AttentionBackend, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A draft extend over the target ``features`` for top-1 drafting in one call
+        (``DecoderStack.extend_greedy``): the target ids of the draft's argmax at each of
+        ``batch.logits_indices`` and the hidden fed to the next step there, or None where
+        Eagle3Draft.forward must run (image embeddings, fc_norm, a batch attended decompressed)."""
+        fc_tiles = amx_tiles(draft.fc.weight)
+        if (fc_tiles is None or draft.fc_norm is not None or batch.input_embeds is not None
+                or features.dtype != torch.bfloat16 or features.shape[-1] != draft.fc.in_features):
+            return None
+        inputs = _absorbed_inputs(backend, features, batch)
+        head = self._head_inputs(draft, features, backend, max(batch.seq_lens_cpu), batch.num_tokens)
+        if inputs is None or head is None:
+            return None
+        embed, table, norm_weight, norm_eps, tiles, vocab, bias, d2t, norm_output = head
+        ids, hidden = self.stack.extend_greedy(
+            batch.input_ids, features, fc_tiles, draft.fc.weight.shape[0], embed, table, batch.positions, norm_weight,
+            norm_eps, tiles, vocab, bias, d2t, norm_output, batch.logits_indices, *inputs,
+        )
+        return ids, hidden
+
     def draft_chain(
         self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
         backend: AttentionBackend, row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,

@@ -22,6 +22,7 @@ bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -161,8 +162,22 @@ class EagleWorker:
             mode=ForwardMode.EXTEND,
             input_embeds=embeds,
         )
-        out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        self._set_draft_states(target_batch.req_pool_indices, out.logits, out.hidden_out)
+        self._extend_draft(batch, features, target_batch.req_pool_indices, timed=False)
+
+    def _extend_draft(self, batch: ForwardBatch, features: torch.Tensor, rows: torch.Tensor, timed: bool = True) -> None:
+        """The draft extend over ``batch`` from the target's ``features``, and the states of the
+        requests' ``rows`` from its last token each; ``timed``: inside a round (the draft clock).
+        Top-1 drafting takes the one-call extend where the draft runs on the kernels."""
+        with self._draft_clock if timed else contextlib.nullcontext():
+            fused = self.draft.fused_midlayer
+            greedy = None
+            if self.spec.eagle_topk == 1 and fused is not None:
+                greedy = fused.extend_greedy(self.draft, batch, self.draft_backend, features)
+            if greedy is not None:
+                self.states.topk_tokens[rows, 0], self.states.hidden[rows] = greedy
+                return
+            out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
+        self._set_draft_states(rows, out.logits, out.hidden_out)
 
     def _arange(self, n: int) -> torch.Tensor:
         """torch.arange(n), made once per n (rounds of one shape ask for the same ones; read-only)."""
@@ -226,9 +241,7 @@ class EagleWorker:
             mode=ForwardMode.EXTEND,
         )
         features = torch.stack([f for r in lagging for f in r.draft_pending_features])
-        with self._draft_clock:
-            out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
-        self._set_draft_states(batch.req_pool_indices, out.logits, out.hidden_out)
+        self._extend_draft(batch, features, batch.req_pool_indices)
         for req in lagging:
             req.draft_pending_features.clear()
 
@@ -495,7 +508,5 @@ class EagleWorker:
             positions=positions,
             mode=ForwardMode.EXTEND,
         )
-        with self._draft_clock:
-            out = self.draft(batch, self.draft_backend, features[feature_rows], hidden_is_target_features=True)
-        self._set_draft_states(round_rows.rows_t, out.logits, out.hidden_out)
+        self._extend_draft(batch, features[feature_rows], round_rows.rows_t)
         return RoundResult(new_tokens, accepted)
