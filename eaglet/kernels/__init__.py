@@ -10,16 +10,17 @@ and ``commit_table`` (a speculative round's acceptance, from logits or greedy id
 ``amx_linear_argmax`` (an lm_head's greedy ids without its logits), ``amx_swiglu`` and
 ``moe_routed_experts`` (all routed experts in one call). The tile-layout kernels multiply on AMX
 tiles, or with AVX512-BF16 dot products on CPUs without AMX (AMD Zen 4 and later): the same
-layout and the same per-row order of products, so a row's bits do not depend on its batch. Each does in one call
-what the PyTorch fallback does in 5-40 ops, and computes every token independently of the rest of
-its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
+layout and the same per-row order of products, so a row's bits do not depend on its batch. Each
+does in one call what the PyTorch fallback does in 5-40 ops, and computes every token
+independently of the rest of its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16 model's decoder layers (or an MLA
 draft's midlayer) through those kernels in one call per forward, and a draft's whole top-1 chain
 (``draft_chain``) or EAGLE-2 tree (``draft_tree``) in one call per round (``decoder_stack.py``).
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
 ``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source, the torch
-version and the CPU's feature flags. ``EAGLET_CPU_KERNELS=0`` turns the kernels off; where they cannot be built, ``available()``
-is False (with one warning saying why) and callers use the PyTorch ops.
+version and the CPU's feature flags. ``EAGLET_CPU_KERNELS=0`` turns the kernels off; where they
+cannot be built, ``available()`` is False (with one warning saying why) and callers use the
+PyTorch ops.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 // Fused CPU kernels for the decode path: RMSNorm, rotary, DeepSeek-V3 routing, the latent cache
 // write and absorbed MLA attention over the paged cache; bfloat16 GEMMs, SwiGLU and the routed
 // experts on weights in AMX tile layout, multiplied on AMX tiles or, on CPUs without AMX, with
-// AVX512-BF16 dot products (tile_backend()). Each replaces a chain of small PyTorch ops whose per-op dispatch (not
-// arithmetic) dominates a decode step of a small model.
+// AVX512-BF16 dot products (tile_backend()). Each replaces a chain of small PyTorch ops whose
+// per-op dispatch (not arithmetic) dominates a decode step of a small model.
 //
 // Every kernel computes a row (a token, or a token's head) with the same arithmetic whatever else
 // is in the batch: loops over a row's elements run in a fixed order with fixed-width partial sums,
@@ -1019,7 +1019,8 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
   if (w_uk_packed.has_value() != w_uv_packed.has_value()) TORCH_CHECK(false, "mla_absorbed_attention: both AMX copies or neither");
   if (w_uk_packed) {
     const int64_t heads = q_nope.size(1), nope = q_nope.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
-    TORCH_CHECK(tile_kernels_supported() && q_bf16, "mla_absorbed_attention: AMX-layout projections need AMX or AVX512-BF16 and bfloat16 queries");
+    TORCH_CHECK(tile_kernels_supported() && q_bf16,
+                "mla_absorbed_attention: AMX-layout projections need AMX or AVX512-BF16 and bfloat16 queries");
     TORCH_CHECK(latent % kGroupN == 0 && value % kGroupN == 0, "mla_absorbed_attention: AMX projections need L and V multiples of 64");
     TORCH_CHECK(w_uk_packed->dim() == 6 && w_uk_packed->size(0) == heads && w_uv_packed->dim() == 6 && w_uv_packed->size(0) == heads &&
                     w_uk_packed->is_contiguous() && w_uv_packed->is_contiguous(),
@@ -1178,7 +1179,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-bool amx_permitted() {
+bool tiles_permitted() {
   // Linux hands out AMX state per process on request (oneDNN asks too; asking twice is harmless).
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return permitted;
@@ -1240,7 +1241,7 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
 // block (one k pair for its 16 columns) is one vector, and x's pair is broadcast against it.
 constexpr const char* kTileBackend = "avx512_bf16";
 
-bool amx_permitted() { return true; }
+bool tiles_permitted() { return true; }  // no tile state to ask the OS for
 void configure_tiles() {}
 void release_tiles() {}
 
@@ -1399,14 +1400,14 @@ void amx_value_sums(const float*, int64_t, const at::BFloat16* const*, int64_t, 
 
 #if !defined(__AVX512BF16__)
 constexpr const char* kTileBackend = "";
-bool amx_permitted() { return false; }
+bool tiles_permitted() { return false; }
 void configure_tiles() {}
 void release_tiles() {}
 void amx_group(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, float*, int64_t, int64_t) {}
 #endif
 
 // The tile-layout kernels run here: on AMX tiles, or on AVX512-BF16 dot products without AMX.
-bool tile_kernels_supported() { return kTileBackend[0] != '\0' && amx_permitted(); }
+bool tile_kernels_supported() { return kTileBackend[0] != '\0' && tiles_permitted(); }
 
 std::string tile_backend() { return tile_kernels_supported() ? kTileBackend : ""; }
 

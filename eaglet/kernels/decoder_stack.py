@@ -6,8 +6,9 @@ layer, each some microseconds, around kernels that take tens. The stack runs the
 that ``DecoderLayer.forward`` reaches through RMSNorm, MLAAttention, FusedCPUMLABackend, MoE and
 SwiGLU, on the same inputs and in the same order, from C++: the same bits (tests/test_decoder_stack.py).
 It applies where that Python path would run the tile-layout kernels (AMX or AVX512-BF16)
-throughout: a bfloat16 model whose matrices all have tile copies, no autograd, at most PADDED_MAX_ROWS tokens, and a batch the fused
-backend attends in the absorbed form (decode, verify, draft extends). Other batches (prefill) take
+throughout: a bfloat16 model whose matrices all have tile copies, no autograd, at most
+PADDED_MAX_ROWS tokens, and a batch the fused backend attends in the absorbed form (decode,
+verify, draft extends). Other batches (prefill) take
 the layer-by-layer path. The stack holds the tile copies made when the kernels were switched on:
 unlike ``linear``, it does not notice a weight changed in place afterwards (inference never does;
 draft training runs under autograd, which takes the layer path).
@@ -116,7 +117,8 @@ class FusedDecoderStack:
 
     @classmethod
     def build(cls, model: DeepseekV3Model) -> FusedDecoderStack | None:
-        """The stack for ``model`` after ``use_cpu_kernels``; None if any layer would not run on the tile-layout kernels."""
+        """The stack for ``model`` after ``use_cpu_kernels``; None if any layer would not run on the
+        tile-layout kernels."""
         stack = _build(model.config, list(model.layers))
         return cls(stack) if stack is not None else None
 
