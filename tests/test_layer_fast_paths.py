@@ -1,6 +1,6 @@
 """The decode fast paths compute what the plain formulas do: small-batch GEMM form, fused
-projections, the one-token MoE path, float32 absorbed attention, oneDNN-packed bfloat16 weights;
-and the "auto" dtype policy."""
+projections, the one-token MoE path, float32 absorbed attention, oneDNN-packed bfloat16 and
+float32 weights; and the "auto" dtype and packing policies."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.config import parse_text_config
-from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16
+from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16, packs_float32
 from eaglet.layers.linear import (
     EXACT_ROWS,
     PADDED_MAX_ROWS,
@@ -189,6 +189,31 @@ def test_packed_gemm_rows_do_not_depend_on_the_row_count_or_padding():
             out = linear(x[:rows], w)
             assert out.shape == (rows, 48)
             assert torch.equal(out, expected[:rows]), rows
+
+
+def test_float32_weights_are_packed_on_amd_cpus_only():
+    assert packs_float32("AuthenticAMD") and not packs_float32("GenuineIntel") and not packs_float32("")
+    assert should_pack(torch.float32) == (packs_float32() and torch.backends.mkldnn.is_available())
+    assert not should_pack(torch.float16)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (960, 512)])
+def test_packed_float32_weight_matches_f_linear(out_features, in_features):
+    """oneDNN's float32 GEMM in place of MKL's: within float32 rounding of F.linear, bias included;
+    where the packing policy uses it (AMD), also the same bits for a row at any row count."""
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(130, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    expected = F.linear(x, w, b)
+    pack_weight(w)
+    with torch.no_grad():
+        packed = linear(x, w, b)
+        torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-4)
+        if packs_float32():
+            for rows in [*range(1, 40), 63, 64, 65, 100]:
+                assert torch.equal(linear(x[:rows], w, b), packed[:rows]), rows
 
 
 @needs_native_bf16

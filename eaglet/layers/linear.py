@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet.layers.cpu_policy import has_native_bf16
+from eaglet.layers.cpu_policy import has_native_bf16, packs_float32
 
 # Row counts for which float32 `W @ x^T` beats F.linear: decode / verify batches of a few requests.
 # One row is a GEMV (F.linear is as fast); from about 64 rows on F.linear's blocking wins.
@@ -126,11 +126,14 @@ def rows_at_least(x: torch.Tensor, minimum: int, dim: int = 0) -> torch.Tensor:
 
 
 def pack_weight(weight: torch.Tensor) -> None:
-    """Attaches a oneDNN-blocked copy of a bfloat16 [out, in] weight, which ``linear`` then uses.
+    """Attaches a oneDNN-blocked copy of a bfloat16 or float32 [out, in] weight, which ``linear``
+    then uses.
 
     On CPUs with AMX / AVX512-BF16, F.linear reorders a bfloat16 weight on every call; the packed
     copy runs the same GEMM (bit-identical results, tests/test_layer_fast_paths.py) 1.1-2.1x faster
-    for decode-sized batches (benchmarks/bench_linear.py). It costs a second copy of the weight. A
+    for decode-sized batches (benchmarks/bench_linear.py). A float32 copy runs oneDNN's GEMM in
+    place of MKL's (``cpu_policy.packs_float32``): values within float32 rounding of F.linear's, a
+    row's the same at any row count at the tested widths. It costs a second copy of the weight. A
     weight changed in place afterwards (an optimizer step) bumps its version and is read directly again.
     """
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
@@ -138,7 +141,9 @@ def pack_weight(weight: torch.Tensor) -> None:
 
 
 def should_pack(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and has_native_bf16() and torch.backends.mkldnn.is_available()
+    """bfloat16 where the CPU multiplies it natively, float32 where oneDNN beats MKL (``packs_float32``)."""
+    native = (dtype == torch.bfloat16 and has_native_bf16()) or (dtype == torch.float32 and packs_float32())
+    return native and torch.backends.mkldnn.is_available()
 
 
 def pack_for_inference(model: nn.Module) -> int:
