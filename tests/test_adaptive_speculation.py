@@ -93,6 +93,23 @@ def test_policy_recovers_from_a_bad_first_measurement_and_keeps_buckets_apart():
     assert policy.as_dict()["best_level_per_batch_bucket"] == {2: "3", 64: "off"}
 
 
+def test_plain_decoding_is_re_measured_soon_after_two_slow_first_steps():
+    """Plain decoding is among the neighbours a bucket probes: two slow first plain steps (a busy
+    machine) made the configured depth look best, and the third probe, 28 steps in, finds plain
+    decoding faster; it is measured a second time and kept."""
+    policy = chain_policy(probe_interval=4)
+    slow_plain = iter([0.030, 0.030])
+
+    def cost(level):  # every draft accepted, but a round costs 5 plain steps: plain decoding is best
+        return next(slow_plain, 0.010) if level == 0 else 0.050 + 0.001 * level
+
+    chosen = run_policy(policy, 8, cost=cost, accepted=lambda level: level, steps=60)
+    assert chosen[:4] == [3, 3, 0, 0] and chosen[4] == 3
+    first_plain = chosen.index(0, 4)
+    assert first_plain <= 32 and chosen[first_plain:first_plain + 2] == [0, 0]
+    assert chosen[40:].count(0) >= 18
+
+
 def test_a_new_bucket_starts_from_its_learned_neighbour():
     policy = chain_policy()
     run_policy(policy, 1, cost=lambda level: 0.010 + 0.002 * level, accepted=lambda level: level, steps=20)

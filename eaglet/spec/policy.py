@@ -26,8 +26,8 @@ deepest with the slope of the two deepest. The policy runs the level with the mo
 tokens per second; if that is an estimate, running it measures it. So trials are only spent on
 levels that look best, and a 16-step configuration does not spend 32 steps measuring every depth.
 
-A bucket re-measures another level now and then, in turn the best one's neighbours and then any
-other, so that a bad early measurement, a poor estimate, or a change in load or in acceptance is
+A bucket re-measures another level now and then, in turn the best one's neighbours (plain
+decoding among them) and then any other, so that a bad early measurement, a poor estimate, or a change in load or in acceptance is
 noticed. A probe runs one step, whose time replaces the level's old ones; only if that step makes
 the level look best does it run again (a best level with fewer than ``min_samples`` steps is
 measured), so a probe that finds nothing costs one worse round, not ``min_samples``: at batch 64
@@ -252,14 +252,17 @@ class SpeculationPolicy:
 
     def _neighbours(self, level: int) -> list[int]:
         """The deeper and shallower levels of the family (the deeper first: only deeper rounds
-        measure the acceptance of deeper drafts), then the other family's level of the same depth."""
+        measure the acceptance of deeper drafts), then the other family's level of the same depth,
+        and plain decoding: the baseline every level is worth against, re-measured among the
+        neighbours, since two slow early plain steps would otherwise keep a bucket speculating."""
         if level == 0:
             return [family[0] for family in self.families]
         family = self.families[self._family(level)]
         index = family.index(level)
         neighbours = family[index + 1 : index + 2] + [family[index - 1] if index else 0]
         companion = self._companion(level)
-        return neighbours + ([companion] if companion is not None else [])
+        neighbours += [companion] if companion is not None else []
+        return neighbours + ([0] if 0 not in neighbours else [])
 
     def _probe_level(self, best: int, probe: int) -> int:
         """Odd probes re-measure a neighbour of the best level, even ones any other level in turn."""
