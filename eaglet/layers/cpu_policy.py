@@ -12,24 +12,25 @@ import torch
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first CPU's ``name`` field of /proc/cpuinfo; empty where there is none (e.g. macOS)."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpuinfo_field("flags").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
-    """The CPU's vendor_id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    return ""
+    """The CPU's vendor_id ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def packs_float32(vendor: str | None = None) -> bool:

@@ -27,8 +27,8 @@ tokens per second; if that is an estimate, running it measures it. So trials are
 levels that look best, and a 16-step configuration does not spend 32 steps measuring every depth.
 
 A bucket re-measures another level now and then, in turn the best one's neighbours (plain
-decoding among them) and then any other, so that a bad early measurement, a poor estimate, or a change in load or in acceptance is
-noticed. A probe runs one step, whose time replaces the level's old ones; only if that step makes
+decoding among them) and then any other, so that a bad early measurement, a poor estimate, or a
+change in load or in acceptance is noticed. A probe runs one step, whose time replaces the level's old ones; only if that step makes
 the level look best does it run again (a best level with fewer than ``min_samples`` steps is
 measured), so a probe that finds nothing costs one worse round, not ``min_samples``: at batch 64
 on a CPU where a verify costs its rows' arithmetic, such rounds and the uneven lengths they leave
