@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"eaglet: --port must be in [0, 65535], got {args.port}")
     from eaglet.commands.model_args import build_engine
+    from eaglet.engine.heap import freeze_startup_heap
 
     engine = build_engine(args)
 
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     app, async_engine = build_app(engine, config, args.log_interval_steps)
+    freeze_startup_heap()
     logging.getLogger("eaglet.server").info(
         "serving %s on http://%s:%d (speculation: %s)", config.model_name, args.host, args.port,
         engine.config.speculative_algorithm or "off",
