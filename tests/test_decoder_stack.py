@@ -362,7 +362,10 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
     draft_round = worker._draft_tree
     fused_rounds = []
 
+    calls = []
+
     def one_call(*args):
+        calls.append(args)
         drafted = getattr(type(midlayer), call)(midlayer, *args)
         fused_rounds.append(drafted is not None)
         return drafted
@@ -392,3 +395,9 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 14 for out in outputs)
     assert fused_rounds and all(fused_rounds)
+    if topk == 1:  # a token past the embeddings: a precise error before anything is written
+        d, roots, tokens, *rest = calls[-1]
+        before = worker.pool.kv.clone()
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: token id 100000 out of range"):
+            midlayer.draft_chain(d, roots, torch.full_like(tokens, 100_000), *rest)
+        assert torch.equal(before, worker.pool.kv)

@@ -1988,22 +1988,49 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
     TORCH_CHECK(row_slots.size(1) >= max_prefix + steps && rope_table.size(0) >= max_prefix + steps,
                 "DecoderStack.draft_chain: row_slots or rope_table too short for ", steps, " steps");
-    const at::Tensor token_starts = at::arange(batch + 1, prefix_c.options());
-    at::Tensor chain = at::empty({batch, steps + 2}, prefix_c.options());
-    chain.select(1, 0).copy_(roots);
-    chain.select(1, 1).copy_(tokens);
-    at::Tensor current = tokens;
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == h.scalar_type(),
+                "DecoderStack.draft_chain: embeddings [V, ", hidden, "] in the hidden's dtype");
+    // Each step's inputs are written in place (ids, positions, slots, embedding and rotary rows):
+    // at one row per request, a step's tensor ops would cost more than its cache write and rotary.
+    const auto longs = prefix_c.options();
+    const at::Tensor token_starts = at::arange(batch + 1, longs);
+    const at::Tensor slots_c = row_slots.contiguous(), embed_c = embed.contiguous(), table_c = rope_table.contiguous();
+    const at::Tensor d2t_c = d2t.contiguous();
+    at::Tensor chain = at::empty({batch, steps + 2}, longs);
+    at::Tensor out_cache_loc = at::empty({batch}, longs), kv_lens = at::empty({batch}, longs);
+    at::Tensor emb = at::empty({batch, hidden}, embed_c.options());
+    at::Tensor cos_sin = at::empty({batch, 2, table_c.size(2)}, table_c.options());
+    int64_t* cp = chain.data_ptr<int64_t>();
+    const at::Tensor roots_c = roots.contiguous(), tokens_c = tokens.contiguous();
+    for (int64_t b = 0; b < batch; ++b) {
+      cp[b * (steps + 2)] = roots_c.data_ptr<int64_t>()[b];
+      cp[b * (steps + 2) + 1] = tokens_c.data_ptr<int64_t>()[b];
+    }
+    const int64_t* sp = slots_c.data_ptr<int64_t>();
+    const int64_t* d2tp = d2t_c.data_ptr<int64_t>();
+    const int64_t embed_row = embed_c.stride(0) * embed_c.element_size(), table_row = table_c.stride(0) * table_c.element_size();
+    const char* embed_base = static_cast<const char*>(embed_c.data_ptr());
+    const char* table_base = static_cast<const char*>(table_c.data_ptr());
     for (int64_t s = 1; s <= steps; ++s) {
-      const at::Tensor positions = prefix_c + (s - 1);
-      const at::Tensor out_cache_loc = row_slots.gather(1, positions.unsqueeze(1)).squeeze(1);
-      const at::Tensor cos_sin = rope_table.index_select(0, positions);
-      const at::Tensor out = forward_eagle3(embed.index_select(0, current), h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
-                                            out_cache_loc, row_slots.narrow(1, 0, max_prefix + s), prefix_c + s, token_starts,
-                                            c10::nullopt);
+      int64_t *loc = out_cache_loc.data_ptr<int64_t>(), *lens = kv_lens.data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t position = pp[b] + s - 1, current = cp[b * (steps + 2) + s];
+        TORCH_CHECK(current >= 0 && current < embed_c.size(0), "DecoderStack.draft_chain: token id ", current, " out of range");
+        loc[b] = sp[b * slots_c.size(1) + position];
+        lens[b] = pp[b] + s;
+        std::memcpy(static_cast<char*>(emb.data_ptr()) + b * hidden * emb.element_size(), embed_base + current * embed_row,
+                    hidden * emb.element_size());
+        std::memcpy(static_cast<char*>(cos_sin.data_ptr()) + b * table_row, table_base + position * table_row, table_row);
+      }
+      const at::Tensor out = forward_eagle3(emb, h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv, out_cache_loc,
+                                            slots_c.narrow(1, 0, max_prefix + s), kv_lens, token_starts, c10::nullopt);
       const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
-      const at::Tensor draft_ids = amx_linear(normed, lm_head, vocab, lm_head_bias, true).argmax(-1);
-      current = draft_ids + d2t.index_select(0, draft_ids);
-      chain.select(1, s + 1).copy_(current);
+      const at::Tensor draft_ids = amx_linear_argmax(normed, lm_head, vocab, lm_head_bias);
+      const int64_t* ids = draft_ids.data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        TORCH_CHECK(ids[b] < d2t_c.size(0), "DecoderStack.draft_chain: d2t [", d2t_c.size(0), "] shorter than the lm_head");
+        cp[b * (steps + 2) + s + 1] = ids[b] + d2tp[ids[b]];
+      }
       h = norm_output ? normed : out;
     }
     return chain;
