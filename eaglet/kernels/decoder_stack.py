@@ -16,6 +16,7 @@ draft training runs under autograd, which takes the layer path).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -132,11 +133,37 @@ class FusedDecoderStack:
         return self.stack.forward(hidden, cos, sin, *inputs, capture_layers) if inputs is not None else None
 
 
+@dataclass(frozen=True)
+class _DraftHead:
+    """What the drafting calls take from the draft besides its midlayer: fc's tile copy and shape,
+    the embeddings, the final norm, the lm_head's tile copy, vocabulary and bias, d2t."""
+
+    fc_tiles: torch.Tensor | None
+    fc_out: int
+    fc_in: int
+    has_fc_norm: bool
+    embed: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_eps: float
+    lm_head_tiles: torch.Tensor
+    vocab: int
+    lm_head_bias: torch.Tensor | None
+    d2t: torch.Tensor
+    norm_output: bool
+
+
 class FusedMidlayer:
-    """An MLA EAGLE-3 draft's midlayer as a one-layer C++ stack (``Eagle3DecoderLayer.forward``'s kernels)."""
+    """An MLA EAGLE-3 draft's midlayer as a one-layer C++ stack (``Eagle3DecoderLayer.forward``'s kernels).
+
+    Like the stack's own weights, the draft's head (fc, embeddings, final norm, lm_head, d2t) is
+    taken once, on first use: a draft round calls the stack twice, and gathering and checking
+    those each time cost about a third of a top-1 draft extend of the demo model.
+    """
 
     def __init__(self, stack: torch.ScriptObject) -> None:
         self.stack = stack
+        self._head: _DraftHead | None = None
+        self._head_checked = False
 
     @classmethod
     def build(cls, draft: Eagle3Draft) -> FusedMidlayer | None:
@@ -160,18 +187,18 @@ class FusedMidlayer:
         (``DecoderStack.extend_greedy``): the target ids of the draft's argmax at each of
         ``batch.logits_indices`` and the hidden fed to the next step there, or None where
         Eagle3Draft.forward must run (image embeddings, fc_norm, a batch attended decompressed)."""
-        fc_tiles = amx_tiles(draft.fc.weight)
-        if (fc_tiles is None or draft.fc_norm is not None or batch.input_embeds is not None
-                or features.dtype != torch.bfloat16 or features.shape[-1] != draft.fc.in_features):
+        head = self._head_of(draft)
+        if (head is None or head.fc_tiles is None or head.has_fc_norm or batch.input_embeds is not None
+                or features.dtype != torch.bfloat16 or features.shape[-1] != head.fc_in):
             return None
         inputs = _absorbed_inputs(backend, features, batch)
-        head = self._head_inputs(draft, features, backend, max(batch.seq_lens_cpu), batch.num_tokens)
-        if inputs is None or head is None:
+        table = self._rope_table(draft, features, backend, max(batch.seq_lens_cpu), batch.num_tokens)
+        if inputs is None or table is None:
             return None
-        embed, table, norm_weight, norm_eps, tiles, vocab, bias, d2t, norm_output = head
         ids, hidden = self.stack.extend_greedy(
-            batch.input_ids, features, fc_tiles, draft.fc.weight.shape[0], embed, table, batch.positions, norm_weight,
-            norm_eps, tiles, vocab, bias, d2t, norm_output, batch.logits_indices, *inputs,
+            batch.input_ids, features, head.fc_tiles, head.fc_out, head.embed, table, batch.positions, head.norm_weight,
+            head.norm_eps, head.lm_head_tiles, head.vocab, head.lm_head_bias, head.d2t, head.norm_output,
+            batch.logits_indices, *inputs,
         )
         return ids, hidden
 
@@ -203,22 +230,45 @@ class FusedMidlayer:
         return tuple(self.stack.draft_tree(roots, tokens, scores, hidden, *head, backend.pool.kv, row_slots, prefix_t,
                                            steps, num_nodes))
 
-    @staticmethod
     def _head_inputs(
-        draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int
+        self, draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int
     ) -> tuple | None:
         """What the drafting calls take besides the stack (embeddings, rotary table of ``positions``,
         final norm, lm_head tiles and d2t), or None where a draft step of ``rows`` tokens would not
         run on the tile-layout kernels."""
-        lm_head = draft.lm_head_module()
-        tiles = amx_tiles(lm_head.weight)
-        embed = draft.embed_weight()
-        dtype = torch.bfloat16
-        if (not isinstance(backend, FusedCPUMLABackend) or torch.is_grad_enabled() or tiles is None
-                or rows > PADDED_MAX_ROWS or not draft.norm.fused
-                or any(t.dtype != dtype for t in (hidden, embed, draft.fc.weight, draft.norm.weight))
-                or (lm_head.bias is not None and lm_head.bias.dtype != dtype)):
+        head = self._head_of(draft)
+        table = self._rope_table(draft, hidden, backend, positions, rows) if head is not None else None
+        if table is None:
             return None
-        table = draft.rotary.table_as(positions, dtype)
-        return (embed, table, draft.norm.weight, draft.norm.eps, tiles, lm_head.weight.shape[0], lm_head.bias, draft.d2t,
-                draft.config.norm_output)
+        return (head.embed, table, head.norm_weight, head.norm_eps, head.lm_head_tiles, head.vocab, head.lm_head_bias,
+                head.d2t, head.norm_output)
+
+    def _head_of(self, draft: Eagle3Draft) -> _DraftHead | None:
+        """The draft's head, taken on first use; None where its lm_head or final norm would not run
+        on the tile-layout kernels."""
+        if not self._head_checked:
+            self._head_checked = True
+            lm_head, dtype = draft.lm_head_module(), torch.bfloat16
+            tiles, embed = amx_tiles(lm_head.weight), draft.embed_weight()
+            if (tiles is not None and draft.norm.fused
+                    and all(t.dtype == dtype for t in (embed, draft.fc.weight, draft.norm.weight))
+                    and (lm_head.bias is None or lm_head.bias.dtype == dtype)):
+                self._head = _DraftHead(
+                    fc_tiles=amx_tiles(draft.fc.weight), fc_out=draft.fc.weight.shape[0], fc_in=draft.fc.in_features,
+                    has_fc_norm=draft.fc_norm is not None, embed=embed.detach(), norm_weight=draft.norm.weight.detach(),
+                    norm_eps=draft.norm.eps, lm_head_tiles=tiles, vocab=lm_head.weight.shape[0],
+                    lm_head_bias=None if lm_head.bias is None else lm_head.bias.detach(), d2t=draft.d2t,
+                    norm_output=draft.config.norm_output,
+                )
+        return self._head
+
+    @staticmethod
+    def _rope_table(
+        draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int
+    ) -> torch.Tensor | None:
+        """The draft's rotary table of at least ``positions`` rows, or None where a draft step of
+        ``rows`` tokens would not run on the tile-layout kernels."""
+        if (not isinstance(backend, FusedCPUMLABackend) or torch.is_grad_enabled() or rows > PADDED_MAX_ROWS
+                or hidden.dtype != torch.bfloat16):
+            return None
+        return draft.rotary.table_as(positions, torch.bfloat16)
