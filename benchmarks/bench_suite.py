@@ -65,12 +65,18 @@ from bench_history import history_table  # noqa: E402
 # policy may draft; it picks the depth per batch size (eaglet.spec.policy), the engine's default.
 # ``adaptive-tree`` is the engine's default for the tree shape: the policy may also draft chains.
 SPEC_SHAPES = {"chain": (3, 1, 4), "tree": (4, 2, 8), "adaptive": (7, 1, 8), "adaptive-tree": (4, 2, 8)}
+# The demo's trained draft accepts every token of a depth-7 chain on its task (accept length 7.00,
+# the cap), so its adaptive mode may draft deeper; on the echo checkpoints acceptance falls with
+# depth, and exploring levels up to 15 costs more in 32-token runs than it finds.
+DEMO_ADAPTIVE_SHAPE = (15, 1, 16)
 
 
-def spec_shapes(args) -> dict[str, tuple[int, int, int]]:
+def spec_shapes(args, checkpoint: str | None = None) -> dict[str, tuple[int, int, int]]:
     """The speculative shapes of this run (--chain-shape / --tree-shape / --adaptive-shape /
-    --adaptive-tree-shape, else SPEC_SHAPES)."""
+    --adaptive-tree-shape, else SPEC_SHAPES; the demo's adaptive mode DEMO_ADAPTIVE_SHAPE)."""
     shapes = dict(SPEC_SHAPES)
+    if checkpoint == "demo":
+        shapes["adaptive"] = DEMO_ADAPTIVE_SHAPE
     for mode in shapes:
         text = getattr(args, f"{mode.replace('-', '_')}_shape", None)
         if text:
@@ -355,7 +361,7 @@ def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
 def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: float | None) -> dict:
     batch_sizes = _ints(args.batch_sizes)
     print(f"\n[{name}] target {ckpt['target']} dtype {ckpt['dtype']}", flush=True)
-    shapes = spec_shapes(args)
+    shapes = spec_shapes(args, name)
     engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive, shapes.get(mode)) for mode in modes}
     any_llm = next(iter(engines.values()))
     dtype = next(any_llm.engine.model.parameters()).dtype
@@ -444,7 +450,8 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
     gc.unfreeze()
     gc.collect()
     return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
-            "params": params, "rows": rows, "notes": notes}
+            "params": params, "rows": rows, "notes": notes,
+            "spec_shapes": {m: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), shapes[m])) for m in modes if m in shapes}}
 
 
 def add_ratios(rows: list[dict]) -> None:

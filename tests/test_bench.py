@@ -109,6 +109,7 @@ def test_spec_shapes_are_configurable_and_recorded(tmp_path):
                              "--vllm-batch-sizes", "", "--no-roofline", "--chain-shape", "2,1,3")
     assert code == 0
     assert record["spec_shapes"]["chain"] == {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
+    assert record["checkpoints"][0]["spec_shapes"] == {"chain": {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}}
     (chain,) = [r for r in record["checkpoints"][0]["rows"] if r["mode"] == "chain"]
     assert len(chain["per_position_acceptance"]) == 2 and 1.0 <= chain["accept_length"] <= 3.0
     for bad in ("3,2,4", "3,1", "0,1,4"):
@@ -116,6 +117,18 @@ def test_spec_shapes_are_configurable_and_recorded(tmp_path):
             run_bench(tmp_path / bad, "--modes", "plain,chain", "--chain-shape", bad)
     with pytest.raises(SystemExit, match="adaptive-tree-shape 2,2,9: .*exceeds the 6 candidates"):
         run_bench(tmp_path / "tree", "--modes", "plain,adaptive-tree", "--adaptive-tree-shape", "2,2,9")
+
+
+def test_the_demo_drafts_deeper_unless_told_otherwise():
+    """The demo's adaptive mode may draft to depth 15 (its trained draft accepts all of a depth-7
+    chain); the other checkpoints' to 7; --adaptive-shape sets both."""
+    import bench_suite
+
+    defaults = argparse.Namespace(chain_shape=None, tree_shape=None, adaptive_shape=None, adaptive_tree_shape=None)
+    assert bench_suite.spec_shapes(defaults, "demo")["adaptive"] == (15, 1, 16)
+    assert bench_suite.spec_shapes(defaults, "deepseek-bf16")["adaptive"] == (7, 1, 8)
+    told = argparse.Namespace(**{**vars(defaults), "adaptive_shape": "5,1,6"})
+    assert bench_suite.spec_shapes(told, "demo")["adaptive"] == (5, 1, 6)
 
 
 def _row(mode: str, batch: int, **fields) -> dict:

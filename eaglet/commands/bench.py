@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the chain's num_steps,eagle_topk,num_draft_tokens (default 3,1,4; vLLM drafts num_steps)")
     parser.add_argument("--tree-shape", default=None, help="the tree's num_steps,eagle_topk,num_draft_tokens (default 4,2,8)")
     parser.add_argument("--adaptive-shape", default=None,
-                        help="the deepest shape the adaptive mode may draft (default 7,1,8)")
+                        help="the deepest shape the adaptive mode may draft (default 7,1,8; 15,1,16 for the demo)")
     parser.add_argument("--adaptive-tree-shape", default=None,
                         help="the deepest shape the adaptive-tree mode may draft (default 4,2,8)")
     parser.add_argument("--spec-adaptive", action="store_true",
