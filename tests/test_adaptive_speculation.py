@@ -56,6 +56,19 @@ def test_a_deep_configuration_finds_its_best_depth_without_trying_every_depth():
     assert policy.as_dict()["best_level_per_batch_bucket"] == {1: "7"}
 
 
+def test_a_chain_that_stopped_early_books_its_acceptance_but_not_its_time():
+    """A round whose every request drafted its end before the level's depth (the chain stopped
+    there) says nothing of that depth's cost, nor of the positions it never drafted."""
+    policy = chain_policy()
+    policy.record(1, 3, 0.010, [3], num_drafted=3)
+    assert len(policy.buckets[1].seconds[3]) == 1
+    assert policy.depth_rounds[0][:3] == [1, 1, 1] and policy.depth_accepts[0][:3] == [1, 1, 1]
+    policy.record(1, 3, 0.004, [1], num_drafted=1)  # drafted 1 token (its end), accepted it
+    assert len(policy.buckets[1].seconds[3]) == 1
+    assert policy.depth_rounds[0][:3] == [2, 1, 1] and policy.depth_accepts[0][:3] == [2, 1, 1]
+    assert policy.steps_per_level[3] == 2
+
+
 def test_policy_turns_speculation_off_when_a_round_costs_more_than_it_accepts():
     policy = chain_policy()
     # A verify round costs 4x a plain step but accepts only one draft token in three.

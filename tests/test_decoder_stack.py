@@ -400,4 +400,6 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
         before = worker.pool.kv.clone()
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: token id 100000 out of range"):
             midlayer.draft_chain(d, roots, torch.full_like(tokens, 100_000), *rest)
+        with torch.inference_mode(), pytest.raises(RuntimeError, match=r"draft_chain: int64 final_ids \[B, S\]"):
+            midlayer.draft_chain(d, roots, tokens, *rest[:-1], torch.zeros(len(tokens) + 1, 2, dtype=torch.long))
         assert torch.equal(before, worker.pool.kv)

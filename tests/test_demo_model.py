@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eaglet.api import LLM
+from eaglet.sampling_params import SamplingParams
 from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR, demo_model_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,46 @@ def test_speculative_greedy_equals_plain_greedy(plain, shape):
     outputs = spec.generate(prompts, evaluate.greedy(32))
     assert [o.token_ids for o in outputs] == expected
     assert spec.spec_metrics()["accept_length"] > 1.5  # the draft really predicts the target
+
+
+@needs_demo
+def test_chains_stop_where_every_request_drafted_its_end_of_turn(plain):
+    """Answers end at their end of turn, which the draft predicts: once every request of a round
+    drafted a token that ends it, the chain stops (drafts after it could never be kept). Output =
+    plain decoding; fused and per-step drafting stop at the same places; the statistics count the
+    tokens drafted. With ignore_eos, or a sampled request in the batch, chains keep their depth."""
+    prompts = evaluate.held_out_prompts(3, seed=5, kinds=("describe",))
+    params = evaluate.greedy(64)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert all(len(tokens) < 64 for tokens in expected)  # every answer ended at its end of turn
+    chains: dict[str, list[tuple[int, int]]] = {}
+    for mode in ("fused", "per step", "ignore_eos", "one sampled"):
+        spec = evaluate.speculative_llm(DEMO_TARGET_DIR, DEMO_DRAFT_DIR, {**evaluate.CHAIN, "speculative_num_steps": 7,
+                                                                          "speculative_num_draft_tokens": 8}, "bfloat16")
+        worker = spec.engine.spec_worker
+        if mode == "per step":
+            worker.draft.fused_midlayer = None
+        draft_chain = worker._draft_chain
+        rounds = chains[mode] = []
+
+        def spy(requests, round_rows, length, draft_chain=draft_chain, rounds=rounds):
+            tree = draft_chain(requests, round_rows, length)
+            rounds.append((len(requests), tree.tokens.shape[1] - 1))
+            return tree
+
+        worker._draft_chain = spy
+        if mode in ("ignore_eos", "one sampled"):
+            sampled = SamplingParams(max_new_tokens=64, temperature=0.8, seed=1)
+            batch_params = [SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)] * 3
+            if mode == "one sampled":
+                batch_params = [params, params, sampled]
+            spec.generate(prompts, batch_params)
+            assert {drafted for _, drafted in rounds} == {7}, mode
+            continue
+        assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+        assert spec.spec_metrics()["num_draft_tokens"] == sum(batch * drafted for batch, drafted in rounds)
+    assert chains["fused"] == chains["per step"]
+    assert min(drafted for _, drafted in chains["fused"]) < 7 <= max(drafted for _, drafted in chains["fused"])
 
 
 @needs_demo

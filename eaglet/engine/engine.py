@@ -314,7 +314,7 @@ class Engine:
             return
         num_steps, topk, num_draft_tokens = self.spec_policy.shape(level)
         result = self.spec_worker.decode(requests, num_steps, num_draft_tokens, topk)
-        self.spec_metrics.record(result.num_accepted, num_draft_tokens - 1)
+        self.spec_metrics.record(result.num_accepted, result.num_drafted)
         for req, a in zip(requests, result.num_accepted):
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
@@ -323,7 +323,7 @@ class Engine:
         # Appending is timed too (a round appends several tokens per request). The catch-up after
         # plain steps is the cost of switching back, not of this level's rounds.
         seconds = time.perf_counter() - start - self.spec_worker.catch_up_seconds
-        self.spec_policy.record(len(requests), level, seconds, result.num_accepted)
+        self.spec_policy.record(len(requests), level, seconds, result.num_accepted, result.num_drafted)
 
     def _next_tokens(self, requests: list[Request], output: ForwardOutput) -> torch.Tensor:
         """A decode step's tokens: the forward's greedy ids where it returned them, else sampled."""

@@ -1970,11 +1970,14 @@ struct DecoderStack : torch::CustomClassHolder {
   // causal mask). Then the final norm, lm_head, the first maximal logit (argmax) and d2t, as
   // Eagle3Draft.forward and EagleWorker._draft_chain do per step, with the same kernels on the same
   // inputs. row_slots [B, >= max(prefix) + steps]: each request's cache slots by row index;
-  // rope_table [positions, 2, R / 2]: cos and sin per position. Returns the chain [B, steps + 2]:
-  // the roots, the tokens, then the drafted target ids.
+  // rope_table [positions, 2, R / 2]: cos and sin per position. With final_ids [B, S] (-1 pads),
+  // drafting stops once every request's chain holds one of its final ids (tokens that would end it:
+  // later drafts are never kept). Returns the chain [B, steps + 2] (shorter where it stopped): the
+  // roots, the tokens, then the drafted target ids.
   at::Tensor draft_chain(at::Tensor roots, at::Tensor tokens, at::Tensor h, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
                          double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
-                         bool norm_output, at::Tensor kv, at::Tensor row_slots, at::Tensor prefix, int64_t steps) {
+                         bool norm_output, at::Tensor kv, at::Tensor row_slots, at::Tensor prefix, int64_t steps,
+                         c10::optional<at::Tensor> final_ids) {
     const int64_t batch = tokens.size(0);
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && prefix.sizes() == tokens.sizes() &&
                     roots.sizes() == tokens.sizes() && roots.scalar_type() == at::kLong && prefix.scalar_type() == at::kLong &&
@@ -2011,7 +2014,27 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t embed_row = embed_c.stride(0) * embed_c.element_size(), table_row = table_c.stride(0) * table_c.element_size();
     const char* embed_base = static_cast<const char*>(embed_c.data_ptr());
     const char* table_base = static_cast<const char*>(table_c.data_ptr());
-    for (int64_t s = 1; s <= steps; ++s) {
+    at::Tensor finals;
+    if (final_ids) {
+      finals = final_ids->contiguous();
+      TORCH_CHECK(finals.dim() == 2 && finals.size(0) == batch && finals.scalar_type() == at::kLong,
+                  "DecoderStack.draft_chain: int64 final_ids [B, S]");
+    }
+    std::vector<char> ended(batch, 0);
+    // Whether every request's chain now holds a final id (its token at chain column `column`, or before).
+    auto all_ended = [&](int64_t column) {
+      if (!final_ids) return false;
+      bool all = true;
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t* own = finals.data_ptr<int64_t>() + b * finals.size(1);
+        ended[b] = ended[b] || std::find(own, own + finals.size(1), cp[b * (steps + 2) + column]) != own + finals.size(1);
+        all = all && ended[b];
+      }
+      return all;
+    };
+    int64_t drafted = steps;
+    if (all_ended(1)) drafted = 0;
+    for (int64_t s = 1; s <= drafted; ++s) {
       int64_t *loc = out_cache_loc.data_ptr<int64_t>(), *lens = kv_lens.data_ptr<int64_t>();
       for (int64_t b = 0; b < batch; ++b) {
         const int64_t position = pp[b] + s - 1, current = cp[b * (steps + 2) + s];
@@ -2032,7 +2055,9 @@ struct DecoderStack : torch::CustomClassHolder {
         cp[b * (steps + 2) + s + 1] = ids[b] + d2tp[ids[b]];
       }
       h = norm_output ? normed : out;
+      if (s < drafted && all_ended(s + 1)) drafted = s;
     }
+    if (drafted < steps) return chain.narrow(1, 0, drafted + 2).contiguous();
     return chain;
   }
 

@@ -205,15 +205,17 @@ class FusedMidlayer:
     def draft_chain(
         self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
         backend: AttentionBackend, row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
+        final_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) from ``tokens`` [B]
         after each request's ``prefix`` (also as the tensor ``prefix_t``): the chain [B, steps + 2]
-        (roots, tokens, the drafted target ids), or None where the per-step Eagle3Draft.forward must
-        run (it would not take the tile-layout kernels throughout)."""
+        (roots, tokens, the drafted target ids; fewer steps once every request drafted one of its
+        ``final_ids`` [B, S], -1 padded), or None where the per-step Eagle3Draft.forward must run
+        (it would not take the tile-layout kernels throughout)."""
         head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0])
         if head is None:
             return None
-        return self.stack.draft_chain(roots, tokens, hidden, *head, backend.pool.kv, row_slots, prefix_t, steps)
+        return self.stack.draft_chain(roots, tokens, hidden, *head, backend.pool.kv, row_slots, prefix_t, steps, final_ids)
 
     def draft_tree(
         self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,

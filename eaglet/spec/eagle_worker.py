@@ -73,6 +73,7 @@ class RoundRows:
 class RoundResult:
     new_tokens: list[list[int]]  # per request: accepted draft tokens + the bonus token
     num_accepted: list[int]
+    num_drafted: int  # draft tokens verified per request (fewer than asked where a chain stopped early)
 
 
 class EagleWorker:
@@ -348,12 +349,33 @@ class EagleWorker:
             ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
         return recorder.build_tree(round_rows.roots, num_draft_tokens)
 
+    def _final_ids(self, requests: list[Request]) -> torch.Tensor | None:
+        """[B, S] per request the tokens that would end it wherever it drafts them (EOS unless
+        ignore_eos, its stop token ids; -1 pads), for a round of greedy requests that all have some
+        and have made their min_tokens; else None. Drafts after such a token are never kept (accepted,
+        it ends the request; rejected, so is all after it), so a chain may stop once every request
+        drafted one. Sampled requests keep their chains: a seeded one's random draws must not depend
+        on the rest of its batch."""
+        finals = []
+        for req in requests:
+            params = req.sampling_params
+            if not params.greedy or len(req.output_token_ids) < params.min_tokens:
+                return None
+            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if not ids:
+                return None
+            finals.append(sorted(ids))
+        width = max(len(ids) for ids in finals)
+        return long_tensor([t for ids in finals for t in ids + [-1] * (width - len(ids))]).view(len(requests), width)
+
     def _draft_chain(self, requests: list[Request], round_rows: RoundRows, length: int) -> DraftTree:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
-        path keeps for k = 1 (its scores fall along the chain), without recording candidates."""
+        path keeps for k = 1 (its scores fall along the chain), without recording candidates. It
+        stops early once every request drafted a token that would end it (``_final_ids``)."""
         batch_size = len(requests)
         first = self.states.topk_tokens[round_rows.rows_t, 0]  # [B]: step 0's token, from the last draft extend
         hidden = self.states.hidden[round_rows.rows_t]
+        final_ids = self._final_ids(requests) if length > 1 else None
         fused = self.draft.fused_midlayer
         chain = None
         if length > 1 and fused is not None:
@@ -362,11 +384,16 @@ class EagleWorker:
             with self._draft_clock:
                 chain = fused.draft_chain(
                     self.draft, round_rows.roots, first, hidden, self.draft_backend, row_slots, round_rows.prefix,
-                    round_rows.prefix_t, length - 1,
+                    round_rows.prefix_t, length - 1, final_ids,
                 )
         if chain is None:
             tokens = [round_rows.roots, first][: length + 1]  # [B] each
+            ended = torch.zeros(batch_size, dtype=torch.bool)
             for step in range(1, length):
+                if final_ids is not None:
+                    ended |= (tokens[-1][:, None] == final_ids).any(dim=1)
+                    if bool(ended.all()):
+                        break
                 step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
                 with self._draft_clock:
                     out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
@@ -509,4 +536,4 @@ class EagleWorker:
             mode=ForwardMode.EXTEND,
         )
         self._extend_draft(batch, features[feature_rows], round_rows.rows_t)
-        return RoundResult(new_tokens, accepted)
+        return RoundResult(new_tokens, accepted, tree.tokens.shape[1] - 1)

@@ -178,16 +178,23 @@ class SpeculationPolicy:
             return bucket.probing
         return best
 
-    def record(self, batch_size: int, level: int, seconds: float, num_accepted: list[int] | None = None) -> None:
-        """Books one decode step: its wall time and, for a speculative round, the accepted drafts."""
+    def record(
+        self, batch_size: int, level: int, seconds: float, num_accepted: list[int] | None = None,
+        num_drafted: int | None = None,
+    ) -> None:
+        """Books one decode step: its wall time and, for a speculative round, the accepted drafts.
+        A round whose chain stopped early (``num_drafted`` below the level's depth: every request
+        drafted a token that ends it) books its acceptance up to its depth, and not its time, which
+        is not the level's."""
         self.steps_per_level[level] += 1
+        drafted = self.depth(level) if num_drafted is None else min(num_drafted, self.depth(level))
         if num_accepted is not None:
             rounds, accepts = self.depth_rounds[self._family(level)], self.depth_accepts[self._family(level)]
             for a in num_accepted:
-                for depth in range(min(a + 1, self.depth(level))):
+                for depth in range(min(a + 1, drafted)):
                     rounds[depth] += 1
                     accepts[depth] += a > depth
-        if not self.adaptive:
+        if not self.adaptive or drafted < self.depth(level):
             return
         bucket = self.buckets.setdefault(_bucket_of(batch_size), _Bucket(start=self.max_level))
         # Per request, so steps of different batch sizes within a bucket compare.
