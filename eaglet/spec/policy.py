@@ -40,6 +40,7 @@ it was, up to ``max_probe_interval``; a probe that changes it starts over.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 from collections import deque
@@ -202,27 +203,31 @@ class SpeculationPolicy:
 
     def expected_tokens(self, level: int) -> float:
         """Expected tokens per request of one step at this level (1 for plain decoding)."""
-        rounds, accepts = self.depth_rounds[self._family(level)], self.depth_accepts[self._family(level)]
-        total, reach = 1.0, 1.0
-        for depth in range(self.depth(level)):
+        return self._expected_by_depth(self._family(level))[self.depth(level)]
+
+    def _expected_by_depth(self, family: int) -> list[float]:
+        """A family's expected tokens per request of a step drafting 0, 1, 2, ... steps."""
+        rounds, accepts = self.depth_rounds[family], self.depth_accepts[family]
+        totals, reach = [1.0], 1.0
+        for depth in range(len(rounds)):
             reach *= (accepts[depth] + 1) / (rounds[depth] + 1)
-            total += reach
-        return total
+            totals.append(totals[-1] + reach)
+        return totals
 
     def step_seconds(self, bucket: _Bucket) -> dict[int, float]:
         """Per-request step time of every level: the bucket's median where it has measured the
         level, else linear in the depth through the measured levels of its family around it."""
         measured = {level: statistics.median(s) for level, s in bucket.seconds.items() if s}
         seconds = {0: measured[0]} if 0 in measured else {}
-        for family in self.families:
-            points = sorted((self.depth(level), s) for level, s in measured.items() if level == 0 or level in family)
+        for index, family in enumerate(self.families):
+            points = sorted((self.depth(level), s) for level, s in measured.items() if level == 0 or self._family(level) == index)
+            depths = [d for d, _ in points]
             for level in family:
                 if level in measured:
                     seconds[level] = measured[level]
                     continue
                 depth = self.depth(level)
-                below = [p for p in points if p[0] < depth]
-                above = [p for p in points if p[0] > depth]
+                below, above = points[: bisect.bisect_left(depths, depth)], points[bisect.bisect_right(depths, depth):]
                 if below and above:
                     (d0, s0), (d1, s1) = below[-1], above[0]
                 elif len(below) >= 2:
@@ -236,8 +241,11 @@ class SpeculationPolicy:
         """The level with the most expected tokens per second, from per-request step times; plain
         decoding is credited ``plain_margin`` (switching between plain and speculative steps costs
         what the step times do not show: the draft's catch-up, requests left at uneven lengths)."""
+        by_depth = [self._expected_by_depth(family) for family in range(len(self.families))]
+
         def rate(level: int) -> float:
-            return self.expected_tokens(level) / max(seconds[level], 1e-9) * (self.plain_margin if level == 0 else 1.0)
+            tokens = by_depth[self._family(level)][self.depth(level)]
+            return tokens / max(seconds[level], 1e-9) * (self.plain_margin if level == 0 else 1.0)
 
         return max(seconds, key=rate)
 
