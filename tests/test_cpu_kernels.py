@@ -316,18 +316,24 @@ def test_routed_experts_reject_an_expert_id_out_of_range():
 # ---- absorbed MLA attention --------------------------------------------------------------------
 
 
+# (kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim): DeepSeek-V3's, and the demo model's,
+# whose latent and query widths are not multiples of the 32-wide tiles (the kernels pad them)
+DIMS = {"deepseek": (512, 64, 64, 64), "demo": (48, 24, 8, 24)}
+
+
 class _Layer:
-    """The attributes of MLAAttention that a backend reads, at DeepSeek-V3's per-head sizes.
+    """The attributes of MLAAttention that a backend reads, at the per-head sizes of ``dims``.
     ``amx``: with the AMX copies of W_UK / W_UV that use_cpu_kernels makes for bfloat16 models
     (the weights are then bfloat16 values, as those taken from a bfloat16 kv_b_proj are)."""
 
-    def __init__(self, heads: int = 8, seed: int = 0, amx: bool = False):
+    def __init__(self, heads: int = 8, seed: int = 0, amx: bool = False, dims: str = "deepseek"):
         g = torch.Generator().manual_seed(seed)
-        self.layer_id, self.num_heads, self.kv_lora_rank = 0, heads, 512
-        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = 64, 64, 64
-        self.w_uk = torch.randn(heads, 64, 512, generator=g) / 8
-        self.w_uv_t = torch.randn(heads, 512, 64, generator=g) / 20
-        self.scaling = 128**-0.5
+        latent, nope, rope, value = DIMS[dims]
+        self.layer_id, self.num_heads, self.kv_lora_rank = 0, heads, latent
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = nope, rope, value
+        self.w_uk = torch.randn(heads, nope, latent, generator=g) / nope**0.5
+        self.w_uv_t = torch.randn(heads, latent, value, generator=g) / (20 * (latent / 512)**0.5)
+        self.scaling = (nope + rope)**-0.5
         self.amx_projections: tuple[torch.Tensor, ...] = ()
         if amx:
             self.w_uk, self.w_uv_t = self.w_uk.bfloat16().float(), self.w_uv_t.bfloat16().float()
@@ -345,8 +351,9 @@ PROJECTIONS = [pytest.param(False, id="fp32-projections"),
                pytest.param(True, id="amx-projections", marks=pytest.mark.skipif(not _has_tile_kernels(), reason="CPU without AMX or AVX512-BF16"))]
 
 
-def _cache(dtype: torch.dtype, seed: int = 0) -> KVCacheManager:
-    cache = KVCacheManager(num_layers=1, kv_cache_dim=576, num_blocks=64, block_size=8, max_requests=8,
+def _cache(dtype: torch.dtype, seed: int = 0, dims: str = "deepseek") -> KVCacheManager:
+    latent, _, rope, _ = DIMS[dims]
+    cache = KVCacheManager(num_layers=1, kv_cache_dim=latent + rope, num_blocks=64, block_size=8, max_requests=8,
                            max_context_len=256, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     cache.target.kv.copy_(torch.randn(cache.target.kv.shape, generator=g).to(dtype))
@@ -363,8 +370,8 @@ def _batch(cache: KVCacheManager, rows: list[int], prefix_lens: list[int], new_l
 
 def _queries(num_tokens: int, layer: _Layer, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    q_nope = torch.randn(num_tokens, layer.num_heads, 64, generator=g).to(dtype)
-    q_pe = torch.randn(num_tokens, layer.num_heads, 64, generator=g).to(dtype)
+    q_nope = torch.randn(num_tokens, layer.num_heads, layer.qk_nope_head_dim, generator=g).to(dtype)
+    q_pe = torch.randn(num_tokens, layer.num_heads, layer.qk_rope_head_dim, generator=g).to(dtype)
     return q_nope, q_pe
 
 
@@ -373,17 +380,19 @@ SHAPES = {
     "ragged-decode": ([5, 70, 33, 12], [1, 1, 1, 1]),
     "chain-verify": ([20, 41, 9], [4, 4, 4]),
     "ragged-extend": ([0, 17, 3], [6, 2, 9]),
+    "long-extend": ([3, 50], [37, 1]),  # more than one 16-row block of queries in a request
 }
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", PROJECTIONS)
-def test_mla_attention_matches_pytorch(name, dtype, amx):
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_mla_attention_matches_pytorch(name, dtype, amx, dims):
     if amx and dtype != torch.bfloat16:
         pytest.skip("the AMX projections take bfloat16 queries")
     prefix_lens, new_lens = SHAPES[name]
-    cache, layer = _cache(dtype), _Layer(amx=amx)
+    cache, layer = _cache(dtype, dims=dims), _Layer(amx=amx, dims=dims)
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):
         cache.grow(r, p)
@@ -427,12 +436,13 @@ def test_mla_attention_with_a_tree_mask_matches_pytorch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", PROJECTIONS)
-def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx):
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx, dims):
     """Every token of a ragged verify batch equals, bit for bit, the same token attended alone as a
     decode step over the keys it sees: what lossless greedy speculation needs, with no padding."""
     if amx and dtype != torch.bfloat16:
         pytest.skip("the AMX projections take bfloat16 queries")
-    cache, layer = _cache(dtype, seed=5), _Layer(amx=amx)
+    cache, layer = _cache(dtype, seed=5, dims=dims), _Layer(amx=amx, dims=dims)
     prefix_lens, new_lens = [9, 40, 23], [3, 5, 1]
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):
@@ -454,12 +464,13 @@ def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx):
 
 
 @pytest.mark.parametrize("amx", PROJECTIONS)
-def test_mla_attention_gives_a_tree_node_the_bits_of_its_path_decoded_alone(amx):
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_mla_attention_gives_a_tree_node_the_bits_of_its_path_decoded_alone(amx, dims):
     """A node of a verified tree equals, bit for bit, its own token decoded after the committed
     prefix and its ancestors laid out one after another: greedy tree speculation then reproduces
     plain decoding (keys the node does not see must not change its sums)."""
     dtype = torch.bfloat16
-    cache, layer = _cache(dtype, seed=9), _Layer(amx=amx)
+    cache, layer = _cache(dtype, seed=9, dims=dims), _Layer(amx=amx, dims=dims)
     prefix, parents = 13, [-1, 0, 0, 1, 2, 1, 4]
     tree = len(parents)
     row = cache.alloc_row()

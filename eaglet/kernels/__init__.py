@@ -144,7 +144,7 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
                 delattr(weight, AMX_PACKED)
             count += 1
         if (isinstance(module, MLAAttention) and module.w_uk is not None and module.kv_b_proj.weight.dtype == torch.bfloat16
-                and module.kv_lora_rank % 64 == 0 and module.v_head_dim % 64 == 0):
+                and module.kv_lora_rank % 16 == 0):
             # W_UK / W_UV were taken from the bfloat16 kv_b_proj: back in bfloat16 they are exact.
             pack = torch.ops.eaglet.amx_pack_weight
             module.amx_projections = (

@@ -43,8 +43,10 @@ void configure_tiles();
 void release_tiles();
 void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloat16* w_group, int64_t k_blocks,
                float* out, int64_t out_stride, int64_t n_blocks = 4);
+void amx_blocks_by_group(const at::BFloat16* const* a, const int64_t* a_rows, int64_t num_a, int64_t lda,
+                         const at::BFloat16* b_block, int64_t k_blocks, float* out);
 void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
-                    int64_t qdim, float* row_scores);
+                    int64_t qdim, int64_t kp, float* row_scores);
 void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
                     int64_t latent, float* const* out_rows);
 
@@ -178,6 +180,20 @@ inline void exp_shifted_row(float* x, float shift, int64_t n) {
 #else
   for (int64_t i = 0; i < n; ++i) x[i] = exp_approx(x[i] - shift);
 #endif
+}
+
+// The largest of x[0:n] (-inf for n = 0).
+inline float row_max(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  if (n >= kLanes) {
+    __m512 acc = _mm512_set1_ps(best);
+    for (int64_t i = 0; i < n; i += kLanes) acc = _mm512_max_ps(acc, _mm512_mask_loadu_ps(acc, tail_mask(n - i), x + i));
+    return _mm512_reduce_max_ps(acc);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) best = std::max(best, x[i]);
+  return best;
 }
 
 // dst[i] = bfloat16(src[i] (+ bias[i])), rounding to nearest even.
@@ -817,14 +833,18 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   std::vector<float>& query = query_buffer;
   std::vector<float>& o_latent = o_latent_buffer;
   std::vector<float>& o_value = o_value_buffer;
-  query.resize(tokens * heads * qdim);
-  o_latent.resize(tokens * heads * latent);
-  o_value.resize(tokens * heads * value);
-  const bool parallel_heads = tokens * (nope + value) * latent * heads >= kParallelWork;
   // With AMX copies of W_UK^T / W_UV per head (bfloat16 models), passes 1 and 3 run on tiles; their
   // bfloat16 weights are the checkpoint's kv_b_proj values exactly, and pass 3 rounds o to bfloat16
   // first, as the decompressed form's probs @ V does.
   const bool amx_projections = uk_packed.has_value() && uv_packed.has_value();
+  // Row strides of the scratch: on tiles a query row is whole k blocks (zero past qdim) and an
+  // output row whole 16-column blocks.
+  const int64_t qstride = amx_projections ? (qdim + kTileK - 1) / kTileK * kTileK : qdim;
+  const int64_t vstride = amx_projections ? (value + kTileN - 1) / kTileN * kTileN : value;
+  query.resize(tokens * heads * qstride);
+  o_latent.resize(tokens * heads * latent);
+  o_value.resize(tokens * heads * vstride);
+  const bool parallel_heads = tokens * (nope + value) * latent * heads >= kParallelWork;
   // Per head h on tiles: rows (t, h) of out (row width out_width, n used) = x(t, h) @ packed[h]^T,
   // x(t, h) being what fill_row(t, h, row) writes into a zeroed row of k_blocks * 32 bfloat16.
   auto amx_per_head = [&](const at::Tensor& packed, int64_t n, float* out, int64_t out_width, auto fill_row) {
@@ -837,20 +857,24 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       assign_zeros(x_pad, (tokens + kTileRows - 1) / kTileRows * kTileRows * kp);
       for (int64_t h = begin; h < end; ++h) {
         for (int64_t t = 0; t < tokens; ++t) fill_row(t, h, x_pad.data() + t * kp);
-        for (int64_t g = 0; g < n / kGroupN; ++g) {
+        for (int64_t g = 0; g * kGroupN < n; ++g) {
+          const int64_t n_blocks = std::min<int64_t>(4, (n - g * kGroupN + kTileN - 1) / kTileN);
           amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
-                    out + h * out_width + g * kGroupN, heads * out_width);
+                    out + h * out_width + g * kGroupN, heads * out_width, n_blocks);
         }
       }
       release_tiles();
     });
   };
   if (amx_projections) {
-    amx_per_head(*uk_packed, latent, query.data(), qdim, [&](int64_t t, int64_t h, at::BFloat16* row) {
+    amx_per_head(*uk_packed, latent, query.data(), qstride, [&](int64_t t, int64_t h, at::BFloat16* row) {
       const Q* src = qn + (t * heads + h) * nope;
       for (int64_t p = 0; p < nope; ++p) row[p] = at::BFloat16(to_float(src[p]));
     });
-    for (int64_t i = 0; i < tokens * heads; ++i) load_row(query.data() + i * qdim + latent, qp + i * rope, rope);
+    for (int64_t i = 0; i < tokens * heads; ++i) {
+      load_row(query.data() + i * qstride + latent, qp + i * rope, rope);
+      std::fill(query.data() + i * qstride + qdim, query.data() + (i + 1) * qstride, 0.0f);
+    }
   } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
     std::vector<float*> out_rows(tokens);
@@ -858,7 +882,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     std::vector<const float*> terms(nope);
     for (int64_t h = begin; h < end; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
-        out_rows[t] = query.data() + (t * heads + h) * qdim;
+        out_rows[t] = query.data() + (t * heads + h) * qstride;
         coef[t] = qn + (t * heads + h) * nope;
         load_row(out_rows[t] + latent, qp + (t * heads + h) * rope, rope);
       }
@@ -876,7 +900,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   const bool parallel_requests = total_keys * heads * 2 * qdim >= kParallelWork;
   // With the AMX projections and a bfloat16 cache, q @ k^T and p @ c_kv run on tiles too, from
   // queries and probabilities rounded to bfloat16 (as the decompressed form's matmuls take them).
-  const bool amx_attention = amx_projections && std::is_same_v<KV, at::BFloat16> && qdim % kTileK == 0 && latent % kGroupN == 0;
+  const bool amx_attention = amx_projections && std::is_same_v<KV, at::BFloat16>;
   at::parallel_for(0, requests * groups, parallel_requests ? 1 : requests * groups, [&](int64_t begin, int64_t end) {
     if (amx_attention) configure_tiles();
     std::vector<float> scores, row_scores;
@@ -899,13 +923,13 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       for (int64_t i = 0; i < n; ++i) {
         for (int64_t h = h0; h < h1; ++h) {
           const int64_t r = i * hg + h - h0;
-          rows[r] = query.data() + ((first + i) * heads + h) * qdim;
+          rows[r] = query.data() + ((first + i) * heads + h) * qstride;
           out_rows[r] = o_latent.data() + ((first + i) * heads + h) * latent;
           prob_rows[r] = scores.data() + r * keys;
         }
       }
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
-        if (amx_attention) amx_key_scores(rows.data(), num_rows, keys_of.data(), keys, qdim, row_scores.data());
+        if (amx_attention) amx_key_scores(rows.data(), num_rows, keys_of.data(), keys, qdim, qstride, row_scores.data());
       }
       // Rows in blocks of eight against every key: a block's queries stay in L1 while keys stream.
       for (int64_t r0 = 0; !amx_attention && r0 < num_rows; r0 += 8) {
@@ -925,24 +949,37 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
         const int64_t i = r / hg;
         float* p = scores.data() + r * keys;
         const float* raw = row_scores.data() + r * keys;
-        const bool* visible = mask ? mask + (first + i) * mask_stride : nullptr;
-        const int64_t causal_keys = keys - n + i + 1;
-        float max_score = neg_inf;
-        for (int64_t s = 0; s < keys; ++s) {
-          if (visible ? visible[s] : s < causal_keys) p[s] = raw[s] * static_cast<float>(scale);
-          max_score = std::max(max_score, p[s]);
+        const float scale_f = static_cast<float>(scale);
+        int64_t seen = keys;  // p[seen:] stays -inf
+        if (mask) {
+          const bool* visible = mask + (first + i) * mask_stride;
+          for (int64_t s = 0; s < keys; ++s) p[s] = visible[s] ? raw[s] * scale_f : neg_inf;
+        } else {
+          seen = keys - n + i + 1;
+          for (int64_t s = 0; s < seen; ++s) p[s] = raw[s] * scale_f;
         }
+        const float max_score = row_max(p, seen);  // a maximum is exact in any order
         if (max_score == neg_inf) {  // sees no key: zeros, as a fully masked softmax row is not defined
           std::fill(p, p + keys, 0.0f);
           continue;
         }
         exp_shifted_row(p, max_score, keys);
-        // One running sum in key order: keys a token does not see add exact zeros, so a tree node
-        // sums its path's keys as plain decoding sums the same keys laid out one after another.
-        float total = 0.0f;
-        for (int64_t s = 0; s < keys; ++s) total += p[s];
-        const float inv_total = 1.0f / total;
-        for (int64_t s = 0; s < keys; ++s) p[s] *= inv_total;
+      }
+      // One running sum per row in key order: keys a token does not see add exact zeros, so a tree
+      // node sums its path's keys as plain decoding sums the same keys laid out one after another.
+      // Eight rows' sums advance together, eight independent chains.
+      for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
+        const int64_t block = std::min<int64_t>(8, num_rows - r0);
+        float totals[8] = {};
+        float* p0 = scores.data() + r0 * keys;
+        for (int64_t s = 0; s < keys; ++s) {
+          for (int64_t j = 0; j < block; ++j) totals[j] += p0[j * keys + s];
+        }
+        for (int64_t j = 0; j < block; ++j) {
+          if (totals[j] == 0.0f) continue;  // a row that sees no key: its zeros stay
+          const float inv_total = 1.0f / totals[j];
+          for (int64_t s = 0; s < keys; ++s) p0[j * keys + s] *= inv_total;
+        }
       }
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (amx_attention) amx_value_sums(scores.data(), num_rows, keys_of.data(), keys, latent, out_rows.data());
@@ -953,7 +990,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   });
 
   if (amx_projections) {
-    amx_per_head(*uv_packed, value, o_value.data(), value, [&](int64_t t, int64_t h, at::BFloat16* row) {
+    amx_per_head(*uv_packed, value, o_value.data(), vstride, [&](int64_t t, int64_t h, at::BFloat16* row) {
       store_bf16(row, o_latent.data() + (t * heads + h) * latent, nullptr, latent);
     });
   } else {
@@ -962,7 +999,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     std::vector<const float*> coef(tokens), terms(latent);
     for (int64_t h = begin; h < end; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
-        out_rows[t] = o_value.data() + (t * heads + h) * value;
+        out_rows[t] = o_value.data() + (t * heads + h) * vstride;
         coef[t] = o_latent.data() + (t * heads + h) * latent;
       }
       for (int64_t l = 0; l < latent; ++l) terms[l] = wuv + (h * latent + l) * value;
@@ -970,7 +1007,9 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     }
   });
   }
-  for (int64_t i = 0; i < tokens * heads * value; ++i) op[i] = from_float<Q>(o_value[i]);
+  for (int64_t i = 0; i < tokens * heads; ++i) {
+    for (int64_t v = 0; v < value; ++v) op[i * value + v] = from_float<Q>(o_value[i * vstride + v]);
+  }
 }
 
 at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv,
@@ -1021,7 +1060,7 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
     const int64_t heads = q_nope.size(1), nope = q_nope.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
     TORCH_CHECK(tile_kernels_supported() && q_bf16,
                 "mla_absorbed_attention: AMX-layout projections need AMX or AVX512-BF16 and bfloat16 queries");
-    TORCH_CHECK(latent % kGroupN == 0 && value % kGroupN == 0, "mla_absorbed_attention: AMX projections need L and V multiples of 64");
+    TORCH_CHECK(latent % kTileN == 0, "mla_absorbed_attention: AMX projections need L a multiple of 16");
     TORCH_CHECK(w_uk_packed->dim() == 6 && w_uk_packed->size(0) == heads && w_uv_packed->dim() == 6 && w_uv_packed->size(0) == heads &&
                     w_uk_packed->is_contiguous() && w_uv_packed->is_contiguous(),
                 "mla_absorbed_attention: AMX copies are [H, ...] stacks of amx_pack_weight");
@@ -1237,6 +1276,41 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
     for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], n_blocks * kTileN * sizeof(float));
   }
 }
+
+// out[i][r][0:16] = A_i's row r (of a_rows[i] <= 16, row stride lda, k_blocks * 32 values; rows
+// past a_rows[i] are read and not stored) times one 16-column weight block, for i < num_a (1-4):
+// four independent tile-product chains, where amx_group runs one per 16 rows with a single block.
+// Each output is one chain in k order, the same as amx_group's. Tiles must be configured.
+void amx_blocks_by_group(const at::BFloat16* const* a, const int64_t* /* a_rows: tiles read 16 */, int64_t num_a,
+                         int64_t lda, const at::BFloat16* b_block, int64_t k_blocks, float* out) {
+  constexpr int64_t block_elems = kTileK * kTileN;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, b_block + kb * block_elems, 64);
+    _tile_loadd(5, a[0] + kb * kTileK, lda * 2);
+    _tile_dpbf16ps(0, 5, 4);
+    if (num_a > 1) {
+      _tile_loadd(6, a[1] + kb * kTileK, lda * 2);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if (num_a > 2) {
+      _tile_loadd(7, a[2] + kb * kTileK, lda * 2);
+      _tile_dpbf16ps(2, 7, 4);
+    }
+    if (num_a > 3) {
+      _tile_loadd(5, a[3] + kb * kTileK, lda * 2);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  }
+  constexpr int64_t tile_bytes = kTileN * sizeof(float);
+  _tile_stored(0, out, tile_bytes);
+  if (num_a > 1) _tile_stored(1, out + kTileRows * kTileN, tile_bytes);
+  if (num_a > 2) _tile_stored(2, out + 2 * kTileRows * kTileN, tile_bytes);
+  if (num_a > 3) _tile_stored(3, out + 3 * kTileRows * kTileN, tile_bytes);
+}
 #elif defined(__AVX512BF16__)
 // Without AMX, the same packed layout runs on AVX512-BF16 dot products: a 64-byte row of a weight
 // block (one k pair for its 16 columns) is one vector, and x's pair is broadcast against it.
@@ -1302,22 +1376,29 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
     default: bf16_dot_group<4>(x_pad, m, kp, w_group, k_blocks, out, out_stride); break;
   }
 }
+
+// amx_blocks_by_group's contract (above, with AMX) on AVX512-BF16: only the rows that are stored.
+void amx_blocks_by_group(const at::BFloat16* const* a, const int64_t* a_rows, int64_t num_a, int64_t lda,
+                         const at::BFloat16* b_block, int64_t k_blocks, float* out) {
+  for (int64_t i = 0; i < num_a; ++i) bf16_dot_group<1>(a[i], a_rows[i], lda, b_block, k_blocks, out + i * kTileRows * kTileN, kTileN);
+}
 #endif
 
 #if defined(__AVX512BF16__)
 // row_scores[r * keys + s] = bfloat16(rows[r]) . key s, for r < num_rows, s < keys, on tiles: the
 // keys are the A rows (16 per tile, read straight from the cache where a block holds them, else
-// copied), the queries a packed B block of 16 columns. A score is one tile-product chain over qdim
-// in order, the same whatever the other rows and keys are. Tiles must be configured on this thread.
+// copied), the queries a packed B block of 16 columns. rows hold kp values (whole k blocks, zero
+// past the key's qdim). A score is one tile-product chain over kp in order, the same whatever the
+// other rows and keys are. Tiles must be configured on this thread.
 void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
-                    int64_t qdim, float* row_scores) {
-  const int64_t k_blocks = qdim / kTileK, q_blocks = (num_rows + kTileN - 1) / kTileN;
+                    int64_t qdim, int64_t kp, float* row_scores) {
+  const int64_t k_blocks = kp / kTileK, q_blocks = (num_rows + kTileN - 1) / kTileN;
   constexpr int64_t block_elems = kTileK * kTileN;
   thread_local std::vector<at::BFloat16> q_packed, key_rows;
   // Not zeroed: a query column past num_rows (earlier calls' finite values) reaches only its own
   // output column, which is not read.
   q_packed.resize(q_blocks * k_blocks * block_elems);
-  key_rows.resize(kTileRows * qdim);
+  key_rows.resize(4 * kTileRows * kp);
   // Block (qb, kb) holds 16 (k pair) x 16 (query) x 2: query r's pair p of block kb is dword
   // p * 16 + r % 16 of that block.
   const __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -1330,20 +1411,49 @@ void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat
       _mm512_i32scatter_epi32(block + r % kTileN, pair_offsets, pairs, 4);
     }
   }
+  // Keys s0 .. s0 + 15 as 16 rows of kp values: in place where the cache holds them one after
+  // another at that width, else copied into buffer `slot` (zero past the key and the last key).
+  auto key_chunk = [&](int64_t s0, int64_t slot) -> const at::BFloat16* {
+    const int64_t chunk = std::min(kTileRows, keys - s0);
+    bool in_one_run = chunk == kTileRows && kp == qdim;
+    for (int64_t i = 1; in_one_run && i < chunk; ++i) in_one_run = keys_of[s0 + i] == keys_of[s0] + i * qdim;
+    if (in_one_run) return keys_of[s0];
+    at::BFloat16* rows_copy = key_rows.data() + slot * kTileRows * kp;
+    for (int64_t i = 0; i < chunk; ++i) {
+      std::memcpy(rows_copy + i * kp, keys_of[s0 + i], qdim * sizeof(at::BFloat16));
+      std::memset(rows_copy + i * kp + qdim, 0, (kp - qdim) * sizeof(at::BFloat16));
+    }
+    std::memset(rows_copy + chunk * kp, 0, (kTileRows - chunk) * kp * sizeof(at::BFloat16));
+    return rows_copy;
+  };
+  if (q_blocks == 1) {
+    // Up to 16 query rows (a decode step's heads): four key chunks at a time against the one query
+    // block, four independent tile chains where one chunk at a time would wait on one.
+    alignas(64) float chunk_out[4][kTileRows][kTileN];
+    for (int64_t s0 = 0; s0 < keys; s0 += 4 * kTileRows) {
+      const at::BFloat16* a[4];
+      int64_t a_rows[4], num_a = 0;
+      for (; num_a < 4 && s0 + num_a * kTileRows < keys; ++num_a) {
+        a[num_a] = key_chunk(s0 + num_a * kTileRows, num_a);
+        a_rows[num_a] = std::min(kTileRows, keys - s0 - num_a * kTileRows);
+      }
+      amx_blocks_by_group(a, a_rows, num_a, kp, q_packed.data(), k_blocks, &chunk_out[0][0][0]);
+      for (int64_t r = 0; r < num_rows; ++r) {
+        float* dst = row_scores + r * keys + s0;
+        for (int64_t c = 0; c < num_a; ++c) {
+          for (int64_t i = 0; i < a_rows[c]; ++i) dst[c * kTileRows + i] = chunk_out[c][i][r];
+        }
+      }
+    }
+    return;
+  }
   alignas(64) float tile_out[kTileRows][kGroupN];
   for (int64_t s0 = 0; s0 < keys; s0 += kTileRows) {
     const int64_t chunk = std::min(kTileRows, keys - s0);
-    bool in_one_run = chunk == kTileRows;
-    for (int64_t i = 1; in_one_run && i < chunk; ++i) in_one_run = keys_of[s0 + i] == keys_of[s0] + i * qdim;
-    const at::BFloat16* a = keys_of[s0];
-    if (!in_one_run) {
-      for (int64_t i = 0; i < chunk; ++i) std::memcpy(key_rows.data() + i * qdim, keys_of[s0 + i], qdim * sizeof(at::BFloat16));
-      std::memset(key_rows.data() + chunk * qdim, 0, (kTileRows - chunk) * qdim * sizeof(at::BFloat16));
-      a = key_rows.data();
-    }
+    const at::BFloat16* a = key_chunk(s0, 0);
     for (int64_t qg = 0; qg < q_blocks; qg += 4) {
       const int64_t nq = std::min<int64_t>(4, q_blocks - qg);
-      amx_group(a, chunk, qdim, q_packed.data() + qg * k_blocks * block_elems, k_blocks, &tile_out[0][0], kGroupN, nq);
+      amx_group(a, chunk, kp, q_packed.data() + qg * k_blocks * block_elems, k_blocks, &tile_out[0][0], kGroupN, nq);
       const int64_t r_end = std::min(num_rows, (qg + nq) * kTileN);
       for (int64_t r = qg * kTileN; r < r_end; ++r) {
         float* dst = row_scores + r * keys + s0;
@@ -1354,8 +1464,9 @@ void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat
 }
 
 // out_rows[r][0:latent] = sum over keys s of bfloat16(probs[r * keys + s]) * key s's first latent
-// values, on tiles: the probabilities are the A rows, the keys' latents packed as B blocks of 32 keys
-// (k) x 16 latent columns, zero past the last key. Tiles must be configured on this thread.
+// values (latent a multiple of 16), on tiles: the probabilities are the A rows, the keys' latents
+// packed as B blocks of 32 keys (k) x 16 latent columns, zero past the last key. Tiles must be
+// configured on this thread.
 void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* const* keys_of, int64_t keys,
                     int64_t latent, float* const* out_rows) {
   const int64_t k_blocks = (keys + kTileK - 1) / kTileK, kp = k_blocks * kTileK, n_blocks = latent / kTileN;
@@ -1390,13 +1501,16 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
     }
   }
   c.resize(num_rows * kGroupN);
-  for (int64_t g = 0; g < n_blocks / 4; ++g) {
-    amx_group(p_pad.data(), num_rows, kp, v_packed.data() + g * 4 * k_blocks * block_elems, k_blocks, c.data(), kGroupN);
-    for (int64_t r = 0; r < num_rows; ++r) std::memcpy(out_rows[r] + g * kGroupN, c.data() + r * kGroupN, kGroupN * sizeof(float));
+  for (int64_t g = 0; g * 4 < n_blocks; ++g) {
+    const int64_t group_blocks = std::min<int64_t>(4, n_blocks - g * 4), width = group_blocks * kTileN;
+    amx_group(p_pad.data(), num_rows, kp, v_packed.data() + g * 4 * k_blocks * block_elems, k_blocks, c.data(), kGroupN,
+              group_blocks);
+    for (int64_t r = 0; r < num_rows; ++r) std::memcpy(out_rows[r] + g * kGroupN, c.data() + r * kGroupN, width * sizeof(float));
   }
 }
 #else
-void amx_key_scores(const float* const*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float*) {}
+void amx_blocks_by_group(const at::BFloat16* const*, const int64_t*, int64_t, int64_t, const at::BFloat16*, int64_t, float*) {}
+void amx_key_scores(const float* const*, int64_t, const at::BFloat16* const*, int64_t, int64_t, int64_t, float*) {}
 void amx_value_sums(const float*, int64_t, const at::BFloat16* const*, int64_t, int64_t, float* const*) {}
 #endif
 
