@@ -161,7 +161,8 @@ class Engine:
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        req = Request(request_id, token_ids, params, mm_inputs, generator=generator)
+        final_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        req = Request(request_id, token_ids, params, mm_inputs, generator=generator, final_token_ids=tuple(sorted(final_ids)))
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             req.stop_checker = StopStringChecker(params.stop, params.include_stop_str_in_output, params.min_tokens)
@@ -293,7 +294,7 @@ class Engine:
         if self.spec_worker is not None:
             self._run_speculative_decode(requests)
         else:
-            greedy_ids = all(r.sampling_params.greedy_ids_suffice for r in requests)
+            greedy_ids = all(r.greedy_ids_suffice for r in requests)
             _, output = self.runner.extend(requests, [1] * len(requests), greedy_ids_only=greedy_ids)
             self._append(requests, [[t] for t in self._next_tokens(requests, output).tolist()])
         return requests

@@ -57,6 +57,13 @@ class Request:
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
     spec_accept_lengths: list[int] = field(default_factory=list)
+    # The tokens that end the request (its stop token ids, and EOS unless ignore_eos), sorted.
+    final_token_ids: tuple[int, ...] = ()
+    # Read every step; the sampling params do not change once the request exists.
+    greedy_ids_suffice: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.greedy_ids_suffice = self.sampling_params.greedy_ids_suffice
 
     @property
     def num_tokens(self) -> int:

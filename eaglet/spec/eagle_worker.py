@@ -212,7 +212,7 @@ class EagleWorker:
         ids where every request's ``greedy_ids_suffice``, else logits) into the tokens it returns."""
         _, output = self.runner.extend(
             requests, [1] * len(requests), capture_layers=self.capture_layers,
-            greedy_ids_only=all(r.sampling_params.greedy_ids_suffice for r in requests),
+            greedy_ids_only=all(r.greedy_ids_suffice for r in requests),
         )
         for req, feature in zip(requests, output.aux_hidden_states.unbind(0)):
             req.draft_pending_features.append(feature)
@@ -292,7 +292,7 @@ class EagleWorker:
         host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
         rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
         slots = self.cache.req_to_token.view(-1)[host[3 * batch_size :]].view(batch_size, scratch)
-        greedy_only = all(r.sampling_params.greedy_ids_suffice for r in requests)
+        greedy_only = all(r.greedy_ids_suffice for r in requests)
         return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots, greedy_only)
 
     def _draft_tree(
@@ -359,14 +359,11 @@ class EagleWorker:
         finals = []
         for req in requests:
             params = req.sampling_params
-            if not params.greedy or len(req.output_token_ids) < params.min_tokens:
+            if not req.final_token_ids or not params.greedy or len(req.output_token_ids) < params.min_tokens:
                 return None
-            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if not ids:
-                return None
-            finals.append(sorted(ids))
+            finals.append(req.final_token_ids)
         width = max(len(ids) for ids in finals)
-        return long_tensor([t for ids in finals for t in ids + [-1] * (width - len(ids))]).view(len(requests), width)
+        return long_tensor([t for ids in finals for t in ids + (-1,) * (width - len(ids))]).view(len(requests), width)
 
     def _draft_chain(self, requests: list[Request], round_rows: RoundRows, length: int) -> DraftTree:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
