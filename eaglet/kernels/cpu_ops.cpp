@@ -1481,30 +1481,28 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
     std::memset(p_pad.data() + r * kp + keys, 0, (kp - keys) * sizeof(at::BFloat16));
   }
   assign_zeros(zeros, latent);
-  v_packed.resize(n_blocks * k_blocks * block_elems);
-  // Row `pair` of block (nb, kb) interleaves keys 2 * pair and 2 * pair + 1 of the k block over the
-  // block's 16 latent columns.
+  v_packed.resize(4 * k_blocks * block_elems);
+  c.resize(num_rows * kGroupN);
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t kb = 0; kb < k_blocks; ++kb) {
-    for (int64_t pair = 0; pair < kTileK / 2; ++pair) {
-      const int64_t s = kb * kTileK + 2 * pair;
-      const at::BFloat16* v0 = s < keys ? keys_of[s] : zeros.data();
-      const at::BFloat16* v1 = s + 1 < keys ? keys_of[s + 1] : zeros.data();
-      for (int64_t nb = 0; nb < n_blocks; ++nb) {
-        const __m512i both = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + nb * kTileN))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + nb * kTileN)), 1);
-        _mm512_storeu_si512(v_packed.data() + ((nb * k_blocks + kb) * (kTileK / 2) + pair) * 2 * kTileN,
-                            _mm512_permutexvar_epi16(interleave, both));
-      }
-    }
-  }
-  c.resize(num_rows * kGroupN);
   for (int64_t g = 0; g * 4 < n_blocks; ++g) {
     const int64_t group_blocks = std::min<int64_t>(4, n_blocks - g * 4), width = group_blocks * kTileN;
-    amx_group(p_pad.data(), num_rows, kp, v_packed.data() + g * 4 * k_blocks * block_elems, k_blocks, c.data(), kGroupN,
-              group_blocks);
+    // The group's blocks (nb, kb), written in order (stores a block apart thrash L1's sets): row
+    // `pair` of a block interleaves keys 2 * pair and 2 * pair + 1 of the k block over its 16
+    // latent columns.
+    at::BFloat16* dst = v_packed.data();
+    for (int64_t nb = 0; nb < group_blocks; ++nb) {
+      const int64_t column = (g * 4 + nb) * kTileN;
+      for (int64_t s = 0; s < kp; s += 2, dst += 2 * kTileN) {
+        const at::BFloat16* v0 = s < keys ? keys_of[s] : zeros.data();
+        const at::BFloat16* v1 = s + 1 < keys ? keys_of[s + 1] : zeros.data();
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + column))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + column)), 1);
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+    amx_group(p_pad.data(), num_rows, kp, v_packed.data(), k_blocks, c.data(), kGroupN, group_blocks);
     for (int64_t r = 0; r < num_rows; ++r) std::memcpy(out_rows[r] + g * kGroupN, c.data() + r * kGroupN, width * sizeof(float));
   }
 }
