@@ -382,7 +382,7 @@ class Engine:
 
     def _finish_reason(self, req: Request, num_generated: int, token: int) -> str | None:
         params = req.sampling_params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in req.final_token_ids:
             if num_generated > params.min_tokens:
                 return "stop"
         if num_generated >= params.max_new_tokens:
