@@ -261,7 +261,7 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
     draft cache they really see) runs both ways from the same cache: the same logits, fed-back
     hidden and draft latents. (Top-1 extends in one call are the next test's; here they take
     Eagle3Draft.forward.)"""
-    monkeypatch.setattr(FusedMidlayer, "extend_greedy", lambda *args: None)
+    monkeypatch.setattr(FusedMidlayer, "extend_proposals", lambda *args: False)
     target = echo_text_target(tmp_path / "target", alpha=1.0, dtype=torch.bfloat16)
     draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
     steps, topk, tokens = shape
@@ -297,50 +297,78 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
     assert sum(fused_calls) >= 3 and not all(fused_calls)  # step batches fused, prefill extends not
 
 
-def test_top1_draft_extend_in_one_call_matches_the_draft_forward(tmp_path):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
     """Every draft extend of real rounds (after each verify, and the catch-up over plain steps
-    between rounds) runs both ways from the same cache: DecoderStack.extend_greedy, and
-    Eagle3Draft.forward with the argmax of its logits. The same proposals, fed-back hidden and
-    draft latents; prefill extends (attended decompressed) take the forward. Output = plain decoding."""
+    between rounds) runs both ways from the same cache: DecoderStack.extend_proposals, and
+    Eagle3Draft.forward with the argmax (top-1) or the top-k log-probabilities of its logits. The
+    same proposals, scores, fed-back hidden and draft latents in the requests' state rows (and no
+    other row touched); prefill extends (attended decompressed) take the forward. Output = plain
+    decoding."""
     target = echo_text_target(tmp_path / "target", alpha=0.5, dtype=torch.bfloat16)
     draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
     llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
-              speculative_draft_model_path=str(draft_path), speculative_num_steps=3, speculative_eagle_topk=1,
+              speculative_draft_model_path=str(draft_path), speculative_num_steps=3, speculative_eagle_topk=topk,
               speculative_num_draft_tokens=4)
     worker = llm.engine.spec_worker
-    draft, midlayer = worker.draft, worker.draft.fused_midlayer
+    draft, midlayer, states = worker.draft, worker.draft.fused_midlayer, worker.states
     assert midlayer is not None
-    one_call = midlayer.extend_greedy
+    one_call = midlayer.extend_proposals
     extends = []
 
-    def both_ways(d, batch, backend, features):
-        before = worker.pool.kv.clone()
-        fused = one_call(d, batch, backend, features)
-        extends.append((fused is not None, max(batch.extend_seq_lens_cpu)))
-        if fused is None:
-            return None
+    def both_ways(d, batch, backend, features, k, table, rows):
+        assert table is states and k == topk
+        kv_before = worker.pool.kv.clone()
+        states_before = [t.clone() for t in (states.topk_tokens, states.topk_logprobs, states.hidden)]
+        fused = one_call(d, batch, backend, features, k, table, rows)
+        extends.append((fused, max(batch.extend_seq_lens_cpu)))
+        if not fused:
+            return False
         fused_kv = worker.pool.kv.clone()
-        worker.pool.kv.copy_(before)
+        worker.pool.kv.copy_(kv_before)
         out = draft.forward(batch, backend, features, hidden_is_target_features=True)
-        assert torch.equal(fused[0], draft.greedy_target_ids(out.logits))
-        assert torch.equal(fused[1], out.hidden_out)
         assert torch.equal(fused_kv, worker.pool.kv)
-        return fused
+        expected = [t.clone() for t in states_before]
+        if topk == 1:
+            expected[0][rows, 0] = draft.greedy_target_ids(out.logits)
+        else:
+            logprobs, ids = draft.top_k_target_ids(out.logits, topk)
+            expected[0][rows], expected[1][rows] = ids, logprobs.float()
+        expected[2][rows] = out.hidden_out
+        for got, want in zip((states.topk_tokens, states.topk_logprobs, states.hidden), expected):
+            assert torch.equal(got, want)
+        return True
 
-    midlayer.extend_greedy = both_ways
-    levels = itertools.cycle([3, 0, 0])  # rounds, each after two plain steps: catch-ups of 2 tokens
+    midlayer.extend_proposals = both_ways
+    # Rounds of the configured shape, each after two plain steps: catch-ups of 2 tokens.
+    levels = itertools.cycle([llm.engine.spec_policy.max_level, 0, 0])
     llm.engine.spec_policy.choose = lambda *args, **kwargs: next(levels)
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 5 * i))} for i in range(3)]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     got = [out.token_ids for out in llm.generate(prompts, params)]
     fused_lens = {n for fused, n in extends if fused}
-    assert {2, 4} <= fused_lens and not all(fused for fused, _ in extends)  # catch-ups and rounds; not prefill
+    assert {2} <= fused_lens and max(fused_lens) > 2 and not all(fused for fused, _ in extends)  # catch-ups, rounds; not prefill
     plain = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True)
     assert got == [out.token_ids for out in plain.generate(prompts, params)]
+
+
+def test_draft_extend_in_one_call_rejects_bad_inputs(tmp_path):
+    target = echo_text_target(tmp_path / "target", alpha=0.5, dtype=torch.bfloat16)
+    draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
+    llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=str(draft_path), speculative_num_steps=3, speculative_eagle_topk=2,
+              speculative_num_draft_tokens=4)
+    worker = llm.engine.spec_worker
+    stack, states = worker.draft.fused_midlayer.stack, worker.states
     ids, rows, table = torch.zeros(2, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, 2, 2)
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="extend_greedy: int64 ids"):
-        midlayer.stack.extend_greedy(ids.float(), rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
-                                     rows, ids, rows, ids, ids, None)
+    tables = (states.topk_tokens, states.topk_logprobs, states.hidden)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="extend_proposals: int64 ids"):
+            stack.extend_proposals(ids.float(), rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
+                                   2, ids, *tables, rows, ids, rows, ids, ids, None)
+        with pytest.raises(RuntimeError, match="extend_proposals: contiguous state tables"):
+            stack.extend_proposals(ids, rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
+                                   3, ids, *tables, rows, ids, rows, ids, ids, None)
 
 
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(5, 1, 6), (4, 2, 8), (3, 4, 10), (1, 3, 3)])

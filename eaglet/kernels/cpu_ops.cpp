@@ -2049,31 +2049,64 @@ struct DecoderStack : torch::CustomClassHolder {
     return layer_forward(l, 0, x, h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
   }
 
-  // A draft extend for top-1 drafting in one call, as Eagle3Draft.forward (target features in, no
-  // fc_norm) and EagleWorker._set_draft_states do it: fc over the features, the midlayer over the
-  // ragged batch, then at the flat rows `logits_rows` the final norm, the lm_head's first maximal
-  // logit (amx_linear_argmax) and d2t. rope_table [> max(positions), 2, R / 2]. Returns [the
-  // target ids [R], the hidden fed to the next step [R, H]].
-  std::vector<at::Tensor> extend_greedy(at::Tensor ids, at::Tensor features, at::Tensor fc, int64_t fc_out, at::Tensor embed,
-                                        at::Tensor rope_table, at::Tensor positions, at::Tensor norm_weight, double norm_eps,
-                                        at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
-                                        bool norm_output, at::Tensor logits_rows, at::Tensor kv, at::Tensor out_cache_loc,
-                                        at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts,
-                                        c10::optional<at::Tensor> custom_mask) {
+  // A draft extend in one call, as Eagle3Draft.forward (target features in, no fc_norm) and
+  // EagleWorker._set_draft_states do it: fc over the features, the midlayer over the ragged batch,
+  // then at the flat rows `logits_rows` the final norm and the lm_head: with k == 1 its first
+  // maximal logit (amx_linear_argmax), else the k largest log-probabilities (topk_logprobs over the
+  // float32 logits), d2t applied. The results go to row state_rows[r] of the worker's state
+  // tables: state_tokens [rows, >= k] (first k columns), state_logprobs [rows, >= k] float32
+  // (k > 1 only) and state_hidden [rows, H] (the hidden fed to the next step). rope_table
+  // [> max(positions), 2, R / 2].
+  void extend_proposals(at::Tensor ids, at::Tensor features, at::Tensor fc, int64_t fc_out, at::Tensor embed,
+                        at::Tensor rope_table, at::Tensor positions, at::Tensor norm_weight, double norm_eps,
+                        at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
+                        bool norm_output, at::Tensor logits_rows, int64_t k, at::Tensor state_rows, at::Tensor state_tokens,
+                        at::Tensor state_logprobs, at::Tensor state_hidden, at::Tensor kv, at::Tensor out_cache_loc,
+                        at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts, c10::optional<at::Tensor> custom_mask) {
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && positions.sizes() == ids.sizes() &&
                     positions.scalar_type() == at::kLong && logits_rows.dim() == 1 && logits_rows.scalar_type() == at::kLong &&
-                    d2t.scalar_type() == at::kLong,
-                "DecoderStack.extend_greedy: int64 ids [T], positions [T], logits_rows [R] and d2t");
-    TORCH_CHECK(features.dim() == 2 && features.size(0) == ids.size(0), "DecoderStack.extend_greedy: features [T, F]");
-    TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2, "DecoderStack.extend_greedy: rope_table [P, 2, R / 2]");
+                    d2t.scalar_type() == at::kLong && state_rows.sizes() == logits_rows.sizes() &&
+                    state_rows.scalar_type() == at::kLong,
+                "DecoderStack.extend_proposals: int64 ids [T], positions [T], logits_rows [R], state_rows [R] and d2t");
+    TORCH_CHECK(features.dim() == 2 && features.size(0) == ids.size(0), "DecoderStack.extend_proposals: features [T, F]");
+    TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2, "DecoderStack.extend_proposals: rope_table [P, 2, R / 2]");
+    const int64_t table_rows = state_tokens.size(0);
+    TORCH_CHECK(k >= 1 && state_tokens.dim() == 2 && state_tokens.scalar_type() == at::kLong && state_tokens.size(1) >= k &&
+                    state_tokens.is_contiguous() && state_logprobs.dim() == 2 && state_logprobs.size(0) == table_rows &&
+                    state_logprobs.scalar_type() == at::kFloat && state_logprobs.size(1) >= k && state_logprobs.is_contiguous() &&
+                    state_hidden.dim() == 2 && state_hidden.size(0) == table_rows && state_hidden.size(1) == hidden &&
+                    state_hidden.scalar_type() == at::kBFloat16 && state_hidden.is_contiguous(),
+                "DecoderStack.extend_proposals: contiguous state tables: int64 tokens and float32 logprobs [rows, >= ", k,
+                "], bfloat16 hidden [rows, ", hidden, "]");
     const at::Tensor h = amx_linear(features, fc, fc_out, c10::nullopt);
     const at::Tensor cos_sin = rope_table.index_select(0, positions);
     const at::Tensor out = forward_eagle3(embed.index_select(0, ids), h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
                                           out_cache_loc, slots, kv_lens, token_starts, custom_mask);
     const at::Tensor rows = out.index_select(0, logits_rows);
     const at::Tensor normed = rms_norm(rows, norm_weight, norm_eps);
-    const at::Tensor draft_ids = amx_linear_argmax(normed, lm_head, vocab, lm_head_bias);
-    return {draft_ids + d2t.index_select(0, draft_ids), norm_output ? normed : rows};
+    at::Tensor top_ids, top_logprobs;
+    if (k == 1) {
+      const at::Tensor draft_ids = amx_linear_argmax(normed, lm_head, vocab, lm_head_bias);
+      top_ids = draft_ids + d2t.index_select(0, draft_ids);
+    } else {
+      const std::vector<at::Tensor> top = topk_logprobs(amx_linear(normed, lm_head, vocab, lm_head_bias, true), k, d2t);
+      top_logprobs = top[0];
+      top_ids = top[1];
+    }
+    const at::Tensor hidden_out = (norm_output ? normed : rows).contiguous();
+    const at::Tensor state_rows_c = state_rows.contiguous();
+    const int64_t* sr = state_rows_c.data_ptr<int64_t>();
+    const int64_t* tp = top_ids.data_ptr<int64_t>();
+    const float* lp = k > 1 ? top_logprobs.data_ptr<float>() : nullptr;
+    const int64_t token_width = state_tokens.size(1), logprob_width = state_logprobs.size(1);
+    for (int64_t r = 0; r < state_rows_c.size(0); ++r) {
+      const int64_t row = sr[r];
+      TORCH_CHECK(row >= 0 && row < table_rows, "DecoderStack.extend_proposals: state row ", row, " out of range");
+      std::copy_n(tp + r * k, k, state_tokens.data_ptr<int64_t>() + row * token_width);
+      if (lp) std::copy_n(lp + r * k, k, state_logprobs.data_ptr<float>() + row * logprob_width);
+      std::memcpy(state_hidden.data_ptr<at::BFloat16>() + row * hidden, hidden_out.data_ptr<at::BFloat16>() + r * hidden,
+                  hidden * sizeof(at::BFloat16));
+    }
   }
 
   // Top-1 drafting of a speculative round in one call: `steps` midlayer forwards, step s (from 1)
@@ -2358,7 +2391,7 @@ TORCH_LIBRARY(eaglet, m) {
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward)
       .def("forward_eagle3", &DecoderStack::forward_eagle3)
-      .def("extend_greedy", &DecoderStack::extend_greedy)
+      .def("extend_proposals", &DecoderStack::extend_proposals)
       .def("draft_chain", &DecoderStack::draft_chain)
       .def("draft_tree", &DecoderStack::draft_tree);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

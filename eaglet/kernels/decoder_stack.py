@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from eaglet.layers.attention_backend import AttentionBackend
     from eaglet.models.deepseek_v3 import DecoderLayer, DeepseekV3Model
     from eaglet.models.eagle3 import Eagle3Draft
+    from eaglet.spec.eagle_worker import DraftState
 
 
 def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
@@ -180,27 +181,29 @@ class FusedMidlayer:
         inputs = _absorbed_inputs(backend, hidden, batch)
         return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None
 
-    def extend_greedy(
-        self, draft: Eagle3Draft, batch: ForwardBatch, backend: AttentionBackend, features: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A draft extend over the target ``features`` for top-1 drafting in one call
-        (``DecoderStack.extend_greedy``): the target ids of the draft's argmax at each of
-        ``batch.logits_indices`` and the hidden fed to the next step there, or None where
-        Eagle3Draft.forward must run (image embeddings, fc_norm, a batch attended decompressed)."""
+    def extend_proposals(
+        self, draft: Eagle3Draft, batch: ForwardBatch, backend: AttentionBackend, features: torch.Tensor, k: int,
+        states: DraftState, rows: torch.Tensor,
+    ) -> bool:
+        """A draft extend over the target ``features`` in one call (``DecoderStack.extend_proposals``):
+        at each of ``batch.logits_indices`` the target ids of the draft's top ``k`` (with k > 1 their
+        log-probabilities too) and the hidden fed to the next step, written to ``rows`` of
+        ``states``. False (nothing written) where Eagle3Draft.forward must run (image embeddings,
+        fc_norm, a batch attended decompressed)."""
         head = self._head_of(draft)
         if (head is None or head.fc_tiles is None or head.has_fc_norm or batch.input_embeds is not None
                 or features.dtype != torch.bfloat16 or features.shape[-1] != head.fc_in):
-            return None
+            return False
         inputs = _absorbed_inputs(backend, features, batch)
         table = self._rope_table(draft, features, backend, max(batch.seq_lens_cpu), batch.num_tokens)
         if inputs is None or table is None:
-            return None
-        ids, hidden = self.stack.extend_greedy(
+            return False
+        self.stack.extend_proposals(
             batch.input_ids, features, head.fc_tiles, head.fc_out, head.embed, table, batch.positions, head.norm_weight,
             head.norm_eps, head.lm_head_tiles, head.vocab, head.lm_head_bias, head.d2t, head.norm_output,
-            batch.logits_indices, *inputs,
+            batch.logits_indices, k, rows, states.topk_tokens, states.topk_logprobs, states.hidden, *inputs,
         )
-        return ids, hidden
+        return True
 
     def draft_chain(
         self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,

@@ -168,14 +168,11 @@ class EagleWorker:
     def _extend_draft(self, batch: ForwardBatch, features: torch.Tensor, rows: torch.Tensor, timed: bool = True) -> None:
         """The draft extend over ``batch`` from the target's ``features``, and the states of the
         requests' ``rows`` from its last token each; ``timed``: inside a round (the draft clock).
-        Top-1 drafting takes the one-call extend where the draft runs on the kernels."""
+        Where the draft runs on the kernels, one call does both."""
         with self._draft_clock if timed else contextlib.nullcontext():
             fused = self.draft.fused_midlayer
-            greedy = None
-            if self.spec.eagle_topk == 1 and fused is not None:
-                greedy = fused.extend_greedy(self.draft, batch, self.draft_backend, features)
-            if greedy is not None:
-                self.states.topk_tokens[rows, 0], self.states.hidden[rows] = greedy
+            k = self.spec.eagle_topk
+            if fused is not None and fused.extend_proposals(self.draft, batch, self.draft_backend, features, k, self.states, rows):
                 return
             out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
         self._set_draft_states(rows, out.logits, out.hidden_out)
