@@ -370,7 +370,7 @@ def run_eaglet(llm, prompts: list[list[int]], new_tokens: int, counter: ExpertCo
     t = time.perf_counter()
     prefill_steps = 0
     while engine.has_unfinished() and not all(r.output_token_ids for r in reqs):
-        finished += engine.step()  # admission + prefill (+ first token)
+        finished += engine.step(stream_text=False)  # admission + prefill (+ first token)
         prefill_steps += 1
     prefill_s = time.perf_counter() - t
     tokens_after_prefill = sum(len(r.output_token_ids) for r in reqs)
@@ -379,7 +379,7 @@ def run_eaglet(llm, prompts: list[list[int]], new_tokens: int, counter: ExpertCo
     steps: list[float] = []
     while engine.has_unfinished():
         t = time.perf_counter()
-        finished += engine.step()
+        finished += engine.step(stream_text=False)
         steps.append(time.perf_counter() - t)
     foreign.__exit__()
     if counter is not None:

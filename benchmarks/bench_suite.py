@@ -231,11 +231,11 @@ def run_eaglet(llm, prompts: list, new_tokens: int, ignore_eos: bool = True) -> 
     reqs = [engine.requests[i] for i in ids]
     finished = []
     while engine.has_unfinished() and not all(r.output_token_ids for r in reqs):
-        finished += engine.step()
+        finished += engine.step(stream_text=False)  # as LLM.generate: text of finished outputs only
     first = time.perf_counter()
     first_tokens = sum(len(r.output_token_ids) for r in reqs)
     while engine.has_unfinished():
-        finished += engine.step()
+        finished += engine.step(stream_text=False)  # as LLM.generate: text of finished outputs only
     end = time.perf_counter()
     by_id = {o.request_id: o.token_ids for o in finished if o.finished}
     decode_s = max(end - first, 1e-9)

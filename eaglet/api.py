@@ -57,7 +57,7 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups)
         while len(outputs) < total:
-            for out in self.engine.step():
+            for out in self.engine.step(stream_text=False):  # finished outputs only
                 if out.finished:
                     outputs[out.request_id] = out
         failed = [out for out in outputs.values() if out.finish_reason == "error"]

@@ -304,6 +304,48 @@ def test_deltas_concatenate_to_decode_hypothesis(name):
     check()
 
 
+@pytest.mark.parametrize("name", ["bbpe512", "bbpe_merged", "metaspace", "metaspace_dec"])
+def test_deferred_ids_leave_what_append_leaves_hypothesis(name):
+    """defer() then any read (text, offsets, append, finish) is append() of the same ids; ids
+    deferred and never read until finish are decoded in one call: the same final text, and per-token
+    offsets (asked for after that finish) the same as appending one at a time."""
+    tok = get_tok(name)
+
+    @SETTINGS
+    @given(data=st.data())
+    def check(data):
+        ids = data.draw(_random_ids(name))
+        skip = data.draw(st.booleans())
+        prompt = data.draw(st.lists(st.integers(0, vocab_size(tok) - 1), max_size=6))
+        context = data.draw(st.booleans())
+        blocks = split_blocks(len(ids), data.draw(st.lists(st.integers(0, 64), max_size=8)))
+        reads = data.draw(st.lists(st.booleans(), min_size=len(blocks), max_size=len(blocks)))
+
+        def make():
+            return IncrementalDetokenizer(tok, prompt, skip, use_prompt_context=context)
+
+        eager, lazy, once = make(), make(), make()
+        i = 0
+        for n, read in zip(blocks, reads):
+            eager.append(ids[i : i + n])
+            lazy.defer(ids[i : i + n])
+            once.defer(ids[i : i + n])
+            i += n
+            assert lazy.num_tokens == eager.num_tokens and lazy.token_ids == eager.token_ids
+            if read:
+                assert lazy.text == eager.text
+        assert lazy.text_len_after(len(ids)) == eager.text_len_after(len(ids))
+        rest = eager.finish()
+        assert lazy.finish() == rest and lazy.text == eager.text
+        once_rest = once.finish()
+        assert once.text == once_rest == eager.text  # nothing was read before: one decode, all of it
+        assert [once.text_len_after(j) for j in range(len(ids) + 1)] == [eager.text_len_after(j) for j in range(len(ids) + 1)]
+        with pytest.raises(RuntimeError):
+            once.defer(ids[:1])
+
+    check()
+
+
 def test_bytelevel_text_after_each_token_is_the_decode_prefix_hypothesis():
     tok = get_tok("bbpe_merged")
 

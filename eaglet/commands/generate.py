@@ -84,7 +84,7 @@ def generate(engine, prompt: Any, params, on_text: Callable[[str], None] | None 
         raise SystemExit(f"eaglet: {exc}") from exc
     shown = ""
     while True:
-        for out in engine.step():
+        for out in engine.step(stream_text=on_text is not None):
             if out.request_id != request_id:
                 continue
             text = out.text or ""

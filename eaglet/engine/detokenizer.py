@@ -146,23 +146,25 @@ class IncrementalDetokenizer:
         self._emitted = len(context_text) - _trailing_replacements(context_text)
         self._context_text = context_text[: self._emitted]
         self._text = ""
-        self._offsets: list[int] = []  # len(text) after each generated token
+        self._offsets: list[int] | None = []  # len(text) after each generated token (None: see finish)
+        self._pending: list[int] = []  # generated ids taken by defer(), not yet turned into text
         self._finished = False
 
     # ---- reading ----------------------------------------------------------------------------
     @property
     def text(self) -> str:
         """All final text so far (incomplete trailing characters held back)."""
+        self._flush()
         return self._text
 
     @property
     def token_ids(self) -> list[int]:
         """The generated ids appended so far (a copy)."""
-        return self._ids[self._num_context :]
+        return self._ids[self._num_context :] + self._pending
 
     @property
     def num_tokens(self) -> int:
-        return len(self._ids) - self._num_context
+        return len(self._ids) - self._num_context + len(self._pending)
 
     @property
     def finished(self) -> bool:
@@ -172,16 +174,27 @@ class IncrementalDetokenizer:
         """Length of the final text once the first ``num_tokens`` generated tokens had been appended."""
         if num_tokens <= 0:
             return 0
-        return self._offsets[num_tokens - 1]
+        return self._per_token_offsets()[num_tokens - 1]
 
     def num_tokens_for_text(self, length: int) -> int:
         """The fewest generated tokens after which the final text had at least ``length`` characters: the
         number of tokens through the one that made character ``length - 1`` final."""
         if length <= 0:
             return 0
-        if length > len(self._text):
+        if length > len(self.text):
             raise ValueError(f"text has {len(self._text)} characters, asked for {length}")
-        return bisect.bisect_left(self._offsets, length) + 1
+        return bisect.bisect_left(self._per_token_offsets(), length) + 1
+
+    def _per_token_offsets(self) -> list[int]:
+        """``_offsets``; after a finish in one decode, those of the same ids appended one at a time."""
+        self._flush()
+        if self._offsets is None:
+            replay = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.skip_special_tokens,
+                                            use_prompt_context=self._num_context > 0)
+            replay.append(self.token_ids)
+            replay.finish()
+            self._offsets = replay._offsets
+        return self._offsets
 
     # ---- writing ----------------------------------------------------------------------------
     def append(self, token_ids: Sequence[int]) -> str:
@@ -189,10 +202,27 @@ class IncrementalDetokenizer:
         final, which may include characters completed for earlier tokens."""
         if self._finished:
             raise RuntimeError("append() after finish()")
+        self._flush()
         start = len(self._text)
         for token in token_ids:
             self._step(int(token))
         return self._text[start:]
+
+    def defer(self, token_ids: Sequence[int]) -> None:
+        """Appends generated tokens without making text of them yet: the next read (``text``,
+        offsets, ``append``) first appends them one at a time, so what it sees is what ``append``
+        would have left. Ids deferred since the first token and never read are decoded in one call
+        by ``finish`` (offline generation without stop strings reads the text only at the end:
+        one decode per request instead of one or two per token)."""
+        if self._finished:
+            raise RuntimeError("defer() after finish()")
+        self._pending.extend(int(t) for t in token_ids)
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for token in pending:
+                self._step(token)
 
     def _step(self, token: int) -> None:
         ids = self._ids
@@ -216,8 +246,14 @@ class IncrementalDetokenizer:
         character that was never completed) and adds it to ``text``. Later calls return ''."""
         if self._finished:
             return ""
+        if self._pending and not self._offsets:  # every generated id deferred, none read: one decode
+            self._ids.extend(self._pending)
+            self._pending = []
+            self._offsets = None  # per-token offsets, if ever asked for, are replayed
+        else:
+            self._flush()
         self._finished = True
-        if not self._offsets:
+        if self._offsets == []:
             return ""
         full = self._decode(self._ids)
         done = self._context_text + self._text
@@ -226,7 +262,8 @@ class IncrementalDetokenizer:
         else:  # a tokenizer that rewrote earlier text (see the class docstring): best effort
             rest = self._decode(self._ids[self._prefix :])[self._emitted :]
         self._text += rest
-        self._offsets[-1] = len(self._text)
+        if self._offsets is not None:
+            self._offsets[-1] = len(self._text)
         return rest
 
 

@@ -243,11 +243,14 @@ class Engine:
         return list(self.scheduler.waiting)
 
     # ---- stepping -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream_text: bool = True) -> list[RequestOutput]:
         """One scheduler step: the planned prefill chunks, then one decode token (or one speculative
         round) for every request whose prompt is cached.
 
-        Returns an output for every request that got new tokens or finished in this step.
+        Returns an output for every request that got new tokens or finished in this step; with
+        ``stream_text=False`` those of unfinished requests carry no text (None), so a caller that
+        reads only finished outputs (offline generation) lets requests without stop strings decode
+        their text once, when they finish.
         """
         plan = self.scheduler.schedule()
         touched: list[Request] = []
@@ -264,7 +267,7 @@ class Engine:
         for req in plan.prefill + plan.decode:
             if req.request_id in self.requests:
                 self.scheduler.publish(req)
-        return [self.output_of(r) for r in touched]
+        return [self.output_of(r, with_text=stream_text or r.finish_reason is not None) for r in touched]
 
     def _fail(self, phase: str, requests: list[Request], exc: Exception) -> list[Request]:
         """Ends the requests of a prefill or decode phase that raised (finish_reason "error", cache
@@ -367,8 +370,13 @@ class Engine:
                     break
             req.output_token_ids.extend(tokens)
             if req.detokenizer is not None:
-                req.detokenizer.append(tokens)
-                match = req.stop_checker.check(req.detokenizer)
+                # Without stop strings nothing needs the text before it is read (output_of, the end).
+                match = None
+                if req.stop_checker.stops:
+                    req.detokenizer.append(tokens)
+                    match = req.stop_checker.check(req.detokenizer)
+                else:
+                    req.detokenizer.defer(tokens)
                 if match is not None:
                     del req.output_token_ids[match.num_tokens :]
                     req.final_text, reason = match.text, "stop"
@@ -417,10 +425,11 @@ class Engine:
         async for out in self._async.generate_stream(prompt, params, request_id):
             yield out
 
-    def output_of(self, req: Request) -> RequestOutput:
-        """The request's output so far; unfinished text holds back a possible partial stop string."""
+    def output_of(self, req: Request, with_text: bool = True) -> RequestOutput:
+        """The request's output so far; unfinished text holds back a possible partial stop string
+        (``with_text=False``: None, and the detokenizer is not read)."""
         text = req.final_text
-        if text is None and req.detokenizer is not None:
+        if text is None and req.detokenizer is not None and with_text:
             text = req.stop_checker.streamable_text(req.detokenizer)
         return RequestOutput(
             req.request_id,
