@@ -196,6 +196,34 @@ inline float row_max(const float* x, int64_t n) {
   return best;
 }
 
+// p[s] = raw[s] * scale where visible[s] (visible == nullptr: every s), -inf elsewhere, for s < n;
+// returns the largest p[s] (-inf for n = 0 or nothing visible). A maximum is exact in any order.
+inline float scale_mask_max(float* p, const float* raw, const bool* visible, int64_t n, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512 scale_v = _mm512_set1_ps(scale), neg_inf_v = _mm512_set1_ps(neg_inf);
+  __m512 best = neg_inf_v;
+  for (int64_t s = 0; s < n; s += kLanes) {
+    const __mmask16 m = tail_mask(n - s);
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, raw + s), scale_v);
+    if (visible) {
+      const __m128i bytes = _mm_maskz_loadu_epi8(m, visible + s);
+      v = _mm512_mask_blend_ps(_mm_test_epi8_mask(bytes, bytes), neg_inf_v, v);
+    }
+    _mm512_mask_storeu_ps(p + s, m, v);
+    best = _mm512_mask_max_ps(best, m, best, v);
+  }
+  return _mm512_reduce_max_ps(best);
+#else
+  float best = neg_inf;
+  for (int64_t s = 0; s < n; ++s) {
+    p[s] = !visible || visible[s] ? raw[s] * scale : neg_inf;
+    best = std::max(best, p[s]);
+  }
+  return best;
+#endif
+}
+
 // dst[i] = bfloat16(src[i] (+ bias[i])), rounding to nearest even.
 inline void store_bf16(at::BFloat16* dst, const float* src, const at::BFloat16* bias, int64_t n) {
 #if defined(__AVX512BF16__)
@@ -950,15 +978,9 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
         float* p = scores.data() + r * keys;
         const float* raw = row_scores.data() + r * keys;
         const float scale_f = static_cast<float>(scale);
-        int64_t seen = keys;  // p[seen:] stays -inf
-        if (mask) {
-          const bool* visible = mask + (first + i) * mask_stride;
-          for (int64_t s = 0; s < keys; ++s) p[s] = visible[s] ? raw[s] * scale_f : neg_inf;
-        } else {
-          seen = keys - n + i + 1;
-          for (int64_t s = 0; s < seen; ++s) p[s] = raw[s] * scale_f;
-        }
-        const float max_score = row_max(p, seen);  // a maximum is exact in any order
+        // Causal: row index i sees keys < keys - n + i + 1, and p past them stays -inf.
+        const bool* visible = mask ? mask + (first + i) * mask_stride : nullptr;
+        const float max_score = scale_mask_max(p, raw, visible, mask ? keys : keys - n + i + 1, scale_f);
         if (max_score == neg_inf) {  // sees no key: zeros, as a fully masked softmax row is not defined
           std::fill(p, p + keys, 0.0f);
           continue;
@@ -1268,12 +1290,21 @@ void amx_group(const at::BFloat16* x_pad, int64_t m, int64_t kp, const at::BFloa
         _tile_dpbf16ps(3, 4, 5);
       }
     }
+    const int64_t rows = std::min(kTileRows, m - mb * kTileRows);
+    float* dst = out + mb * kTileRows * out_stride;
+    if (rows == kTileRows) {  // a whole block of rows: the tiles go straight to out
+      const int64_t stride_bytes = out_stride * sizeof(float);
+      _tile_stored(0, dst, stride_bytes);
+      if (n_blocks > 1) _tile_stored(1, dst + kTileN, stride_bytes);
+      if (n_blocks > 2) _tile_stored(2, dst + 2 * kTileN, stride_bytes);
+      if (n_blocks > 3) _tile_stored(3, dst + 3 * kTileN, stride_bytes);
+      continue;
+    }
     _tile_stored(0, &c[0][0], kGroupN * 4);
     _tile_stored(1, &c[0][16], kGroupN * 4);
     _tile_stored(2, &c[0][32], kGroupN * 4);
     _tile_stored(3, &c[0][48], kGroupN * 4);
-    const int64_t rows = std::min(kTileRows, m - mb * kTileRows);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (mb * kTileRows + r) * out_stride, c[r], n_blocks * kTileN * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * out_stride, c[r], n_blocks * kTileN * sizeof(float));
   }
 }
 
@@ -1557,11 +1588,18 @@ void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* wh
 // x's rows zero-padded to whole tiles ([ceil(rows / 16) * 16, k_blocks * 32]) in a buffer of this thread.
 const at::BFloat16* padded_tiles(const at::Tensor& x, int64_t k_blocks, std::vector<at::BFloat16>& buffer) {
   const int64_t rows = x.size(0), k = x.size(1), kp = k_blocks * kTileK;
-  assign_zeros(buffer, (rows + kTileRows - 1) / kTileRows * kTileRows * kp);
+  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  if (static_cast<int64_t>(buffer.size()) < padded_rows * kp) assign_zeros(buffer, padded_rows * kp);
+  // Only the padding is zeroed: the rows' own values are all written.
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const int64_t row_stride = x.stride(0);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(buffer.data() + r * kp, xp + r * row_stride, k * sizeof(at::BFloat16));
-  return buffer.data();
+  at::BFloat16* dst = buffer.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * kp, xp + r * row_stride, k * sizeof(at::BFloat16));
+    if (kp > k) std::memset(dst + r * kp + k, 0, (kp - k) * sizeof(at::BFloat16));
+  }
+  std::memset(dst + rows * kp, 0, (padded_rows - rows) * kp * sizeof(at::BFloat16));
+  return dst;
 }
 
 // Parallel over threads once a GEMM's products pay for the pool's wake-up (a few us). AMX multiplies
@@ -1619,7 +1657,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   float* op_widened = widened ? out.data_ptr<float>() : nullptr;
   at::parallel_for(0, n_groups, worth_threads(m, n, kp) ? 1 : n_groups, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    std::vector<float> c(m * kGroupN);
+    // Scratch of this thread, kept between calls (rows are written before they are read): a fresh
+    // vector of a verify's rows is an allocation zeroed, and past 128 KB a mapping faulted in.
+    thread_local std::vector<float> c;
+    c.resize(m * kGroupN);
     for (int64_t g = begin; g < end; ++g) {
       amx_group(xp, m, kp, wp + g * group_elems, k_blocks, c.data(), kGroupN);
       const int64_t cols = std::min(kGroupN, n - g * kGroupN);
@@ -1717,7 +1758,8 @@ at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int6
   std::vector<char> chunk_first(n_groups, 0);
   at::parallel_for(0, n_groups, worth_threads(m, n, kp) ? 1 : n_groups, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    std::vector<float> c(m * kGroupN);
+    thread_local std::vector<float> c;  // as amx_linear's
+    c.resize(m * kGroupN);
     std::vector<RunningArgmax> running(m);
     for (int64_t g = begin; g < end; ++g) {
       amx_group(xp, m, kp, wp + g * group_elems, k_blocks, c.data(), kGroupN);
