@@ -875,7 +875,8 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   const bool parallel_heads = tokens * (nope + value) * latent * heads >= kParallelWork;
   // Per head h on tiles: rows (t, h) of out (row width out_width, n used) = x(t, h) @ packed[h]^T,
   // x(t, h) being what fill_row(t, h, row) writes into a zeroed row of k_blocks * 32 bfloat16.
-  auto amx_per_head = [&](const at::Tensor& packed, int64_t n, float* out, int64_t out_width, auto fill_row) {
+  // after_head(h) runs once head h's rows are all written, on the same thread.
+  auto amx_per_head = [&](const at::Tensor& packed, int64_t n, float* out, int64_t out_width, auto fill_row, auto after_head) {
     const int64_t kb = packed.size(2), kp = kb * kTileK, head_stride = packed.stride(0);
     const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
     at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
@@ -890,6 +891,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
           amx_group(x_pad.data(), tokens, kp, wp + h * head_stride + g * 4 * kb * kTileK * kTileN, kb,
                     out + h * out_width + g * kGroupN, heads * out_width, n_blocks);
         }
+        after_head(h);
       }
       release_tiles();
     });
@@ -898,11 +900,13 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     amx_per_head(*uk_packed, latent, query.data(), qstride, [&](int64_t t, int64_t h, at::BFloat16* row) {
       const Q* src = qn + (t * heads + h) * nope;
       for (int64_t p = 0; p < nope; ++p) row[p] = at::BFloat16(to_float(src[p]));
+    }, [&](int64_t h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t i = t * heads + h;
+        load_row(query.data() + i * qstride + latent, qp + i * rope, rope);
+        std::fill(query.data() + i * qstride + qdim, query.data() + (i + 1) * qstride, 0.0f);
+      }
     });
-    for (int64_t i = 0; i < tokens * heads; ++i) {
-      load_row(query.data() + i * qstride + latent, qp + i * rope, rope);
-      std::fill(query.data() + i * qstride + qdim, query.data() + (i + 1) * qstride, 0.0f);
-    }
   } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
     std::vector<float*> out_rows(tokens);
@@ -1014,6 +1018,11 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   if (amx_projections) {
     amx_per_head(*uv_packed, value, o_value.data(), vstride, [&](int64_t t, int64_t h, at::BFloat16* row) {
       store_bf16(row, o_latent.data() + (t * heads + h) * latent, nullptr, latent);
+    }, [&](int64_t h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t i = t * heads + h;
+        for (int64_t v = 0; v < value; ++v) op[i * value + v] = from_float<Q>(o_value[i * vstride + v]);
+      }
     });
   } else {
   at::parallel_for(0, heads, parallel_heads ? 1 : heads, [&](int64_t begin, int64_t end) {
@@ -1026,11 +1035,12 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
       }
       for (int64_t l = 0; l < latent; ++l) terms[l] = wuv + (h * latent + l) * value;
       combine_all_rows(out_rows.data(), coef.data(), terms.data(), tokens, latent, value);
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t i = t * heads + h;
+        for (int64_t v = 0; v < value; ++v) op[i * value + v] = from_float<Q>(o_value[i * vstride + v]);
+      }
     }
   });
-  }
-  for (int64_t i = 0; i < tokens * heads; ++i) {
-    for (int64_t v = 0; v < value; ++v) op[i * value + v] = from_float<Q>(o_value[i * vstride + v]);
   }
 }
 
