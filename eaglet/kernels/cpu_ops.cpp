@@ -267,6 +267,7 @@ template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t dim = x.size(-1);
   const int64_t rows = x.numel() / dim;
+  const int64_t row_stride = x.dim() == 2 ? x.stride(0) : dim;  // rows of a 2-d x may be apart (a narrow)
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -275,7 +276,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
     std::vector<float> row(dim);
     const float* row_ptr = row.data();
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * dim;
+      const T* xr = xp + r * row_stride;
       T* orow = op + r * dim;
       load_row(row.data(), xr, dim);
       float sum_square;
@@ -305,9 +306,10 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight must be [hidden]");
-  const at::Tensor xc = x.contiguous();
+  // A 2-d x whose rows are contiguous is read in place (the stack normalises column slices).
+  const at::Tensor xc = x.dim() == 2 && x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor wc = weight.contiguous();
-  at::Tensor out = at::empty_like(xc);
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
   if (xc.scalar_type() == at::kBFloat16) {
     rms_norm_impl<at::BFloat16>(xc, wc, eps, out);
   } else {
@@ -840,7 +842,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
               const c10::optional<at::Tensor>& uk_packed, const c10::optional<at::Tensor>& uv_packed, at::Tensor& out) {
   const int64_t tokens = q_nope.size(0), heads = q_nope.size(1), nope = q_nope.size(2);
   const int64_t requests = kv_lens.size(0), rope = q_pe.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
-  const int64_t qdim = latent + rope;
+  const int64_t qdim = latent + rope, q_stride = q_nope.stride(1);  // row (t, h) of q_nope at (t * heads + h) * q_stride
   const Q* qn = q_nope.data_ptr<Q>();
   const Q* qp = q_pe.data_ptr<Q>();
   const KV* kvp = kv.data_ptr<KV>();
@@ -898,7 +900,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   };
   if (amx_projections) {
     amx_per_head(*uk_packed, latent, query.data(), qstride, [&](int64_t t, int64_t h, at::BFloat16* row) {
-      const Q* src = qn + (t * heads + h) * nope;
+      const Q* src = qn + (t * heads + h) * q_stride;
       for (int64_t p = 0; p < nope; ++p) row[p] = at::BFloat16(to_float(src[p]));
     }, [&](int64_t h) {
       for (int64_t t = 0; t < tokens; ++t) {
@@ -915,7 +917,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
     for (int64_t h = begin; h < end; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
         out_rows[t] = query.data() + (t * heads + h) * qstride;
-        coef[t] = qn + (t * heads + h) * nope;
+        coef[t] = qn + (t * heads + h) * q_stride;
         load_row(out_rows[t] + latent, qp + (t * heads + h) * rope, rope);
       }
       for (int64_t p = 0; p < nope; ++p) terms[p] = wuk + (h * nope + p) * latent;
@@ -1060,7 +1062,10 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
               "mla_absorbed_attention: int64 slots, kv_lens and token_starts");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == kv_lens.size(0) && token_starts.size(0) == kv_lens.size(0) + 1,
               "mla_absorbed_attention: slots [B, S], kv_lens [B], token_starts [B + 1]");
-  const at::Tensor qn = q_nope.contiguous(), qp = q_pe.contiguous(), wuk = w_uk.contiguous(), wuv = w_uv_t.contiguous();
+  // q_nope may be a slice of the query projection: rows (t, h) a fixed stride apart, read in place.
+  const bool q_rows = q_nope.stride(2) == 1 && q_nope.stride(0) == q_nope.size(1) * q_nope.stride(1);
+  const at::Tensor qn = q_rows ? q_nope : q_nope.contiguous();
+  const at::Tensor qp = q_pe.contiguous(), wuk = w_uk.contiguous(), wuv = w_uv_t.contiguous();
   const at::Tensor sl = slots.contiguous(), lens = kv_lens.contiguous(), starts = token_starts.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* stp = starts.data_ptr<int64_t>();
@@ -1616,6 +1621,9 @@ const at::BFloat16* padded_tiles(const at::Tensor& x, int64_t k_blocks, std::vec
 // a 16-row tile for the price of one row, so there rows count in whole tiles; AVX512-BF16 pays for
 // every row, so smaller GEMMs split there (the demo's speculative decoding 1.08x / 1.09x at batch 1 /
 // 16, its plain decoding 1.02x / 1.04x; deepseek-bf16 unchanged).
+// Rows per thread chunk of the per-row loops around a parallel GEMM (activations, expert sums).
+constexpr int64_t kActRowsGrain = 32;
+
 inline bool worth_threads(int64_t m, int64_t n, int64_t k) {
   if constexpr (kProductsPerRow) return n * k * m >= (int64_t{1} << 18);
   return n * k * std::max<int64_t>(m, kTileRows) >= (int64_t{1} << 22);
@@ -1687,6 +1695,28 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
     release_tiles();
   });
   return out;
+}
+
+// a + b of two bfloat16 tensors of one shape: each sum in float32, rounded to bfloat16 (nearest
+// even), as at::add computes it; one vector pass where at::add's bfloat16 loop takes ~6x longer
+// (a residual add of 512 x 128: 16 us against ~3). Other dtypes or layouts: at::add.
+at::Tensor add_bf16(const at::Tensor& a, const at::Tensor& b) {
+#if defined(__AVX512BF16__)
+  if (a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && a.sizes() == b.sizes() && a.is_contiguous() &&
+      b.is_contiguous()) {
+    at::Tensor out = at::empty_like(a);
+    const at::BFloat16 *ap = a.data_ptr<at::BFloat16>(), *bp = b.data_ptr<at::BFloat16>();
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = tail_mask(n - i);
+      const __m512 sum = _mm512_add_ps(load16(ap + i, m), load16(bp + i, m));
+      _mm256_mask_storeu_epi16(op + i, m, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+    return out;
+  }
+#endif
+  return at::add(a, b);
 }
 
 // A running argmax over a row's columns, fed in column order in pieces: torch's rule (the first
@@ -1804,6 +1834,17 @@ at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int6
 // act = bf16(bf16(silu(bf16(gate))) * bf16(up)) for one row of a float32 [gate | up] GEMM output:
 // the roundings of linear -> F.silu -> mul on bfloat16 tensors.
 void swiglu_act(const float* gate_up, int64_t inter, at::BFloat16* act) {
+#if defined(__AVX512BF16__)
+  // The loop below 16 lanes at a time, the same operations on each value.
+  for (int64_t j = 0; j < inter; j += kLanes) {
+    const __mmask16 m = tail_mask(inter - j);
+    const __m512 gate = round_bf16(_mm512_maskz_loadu_ps(m, gate_up + j));
+    const __m512 up = round_bf16(_mm512_maskz_loadu_ps(m, gate_up + inter + j));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_xor_ps(gate, _mm512_set1_ps(-0.0f)), _mm512_setzero_ps()));  // exp(-gate - 0)
+    const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    store16_bf16(act + j, _mm512_mul_ps(silu, up), m);
+  }
+#else
   thread_local std::vector<at::BFloat16> gate_bf16, up_bf16;
   thread_local std::vector<float> silu;
   gate_bf16.resize(inter);
@@ -1819,6 +1860,7 @@ void swiglu_act(const float* gate_up, int64_t inter, at::BFloat16* act) {
   load_row(silu.data(), gate_bf16.data(), inter);
   for (int64_t j = 0; j < inter; ++j) silu[j] *= static_cast<float>(up_bf16[j]);
   store_bf16(act, silu.data(), nullptr, inter);
+#endif
 }
 
 // SwiGLU (the dense MLP and the shared experts) in one call: x @ [gate; up]^T on AMX tiles, the
@@ -1858,7 +1900,9 @@ at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tens
     }
     release_tiles();
   });
-  for (int64_t t = 0; t < tokens; ++t) swiglu_act(gate_up.data() + t * up_width, inter, act.data() + t * kp_inter);
+  at::parallel_for(0, tokens, parallel ? kActRowsGrain : tokens, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) swiglu_act(gate_up.data() + t * up_width, inter, act.data() + t * kp_inter);
+  });
   at::parallel_for(0, down_groups, parallel ? 1 : down_groups, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t g = begin; g < end; ++g) {
@@ -1953,11 +1997,17 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
     });
   };
   run_experts(x_pad.data(), kb_hidden, w13_base, w13_stride, up_groups, gate_up.data(), up_width);
-  for (int64_t e = 0; e < experts; ++e) {
-    for (int64_t r = 0; r < count[e]; ++r) {
-      swiglu_act(gate_up.data() + (tile_start[e] + r) * up_width, inter, act.data() + (tile_start[e] + r) * kp_inter);
+  // Rows of every expert, padding rows skipped (their act stays zero). The buffers are this
+  // thread's: the workers reach them through pointers.
+  const float* gate_up_rows = gate_up.data();
+  at::BFloat16* act_rows = act.data();
+  at::parallel_for(0, padded_rows, parallel ? kActRowsGrain : padded_rows, [&](int64_t begin, int64_t end) {
+    for (int64_t e = 0; e < experts; ++e) {
+      for (int64_t row = std::max(begin, tile_start[e]); row < std::min(end, tile_start[e] + count[e]); ++row) {
+        swiglu_act(gate_up_rows + row * up_width, inter, act_rows + row * kp_inter);
+      }
     }
-  }
+  });
   run_experts(act.data(), kb_inter, w2_base, w2_stride, down_groups, expert_out.data(), down_width);
   // where each assignment's output row is
   std::vector<int64_t> row_of(assigned);
@@ -1966,21 +2016,24 @@ at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, co
   }
   at::Tensor out = at::empty({tokens, hidden}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  std::vector<float> acc(hidden);
-  std::vector<at::BFloat16> rounded_bf16(hidden);
-  std::vector<int64_t> by_id(top_k);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t k = 0; k < top_k; ++k) by_id[k] = k;
-    std::sort(by_id.begin(), by_id.end(), [&](int64_t a, int64_t b) { return idp[t * top_k + a] < idp[t * top_k + b]; });
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t k : by_id) {
-      const float w = static_cast<float>(at::BFloat16(wp[t * top_k + k]));
-      const float* y = expert_out.data() + row_of[t * top_k + k] * down_width;
-      store_bf16(rounded_bf16.data(), y, nullptr, hidden);  // the expert's bfloat16 output
-      axpy(acc.data(), w, rounded_bf16.data(), hidden);
+  const float* expert_rows = expert_out.data();
+  at::parallel_for(0, tokens, parallel ? kActRowsGrain : tokens, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hidden);
+    std::vector<at::BFloat16> rounded_bf16(hidden);
+    std::vector<int64_t> by_id(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t k = 0; k < top_k; ++k) by_id[k] = k;
+      std::sort(by_id.begin(), by_id.end(), [&](int64_t a, int64_t b) { return idp[t * top_k + a] < idp[t * top_k + b]; });
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k : by_id) {
+        const float w = static_cast<float>(at::BFloat16(wp[t * top_k + k]));
+        const float* y = expert_rows + row_of[t * top_k + k] * down_width;
+        store_bf16(rounded_bf16.data(), y, nullptr, hidden);  // the expert's bfloat16 output
+        axpy(acc.data(), w, rounded_bf16.data(), hidden);
+      }
+      store_bf16(op + t * hidden, acc.data(), nullptr, hidden);
     }
-    store_bf16(op + t * hidden, acc.data(), nullptr, hidden);
-  }
+  });
   return out;
 }
 
@@ -2412,7 +2465,7 @@ struct DecoderStack : torch::CustomClassHolder {
       return mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens, token_starts,
                                     custom_mask, scaling, l.uk_packed, l.uv_packed);
     });
-    h = traced("eaglet.stack.o_proj", [&] { return at::add(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)); });
+    h = traced("eaglet.stack.o_proj", [&] { return add_bf16(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)); });
     const at::Tensor y = rms_norm(h, l.post_norm, eps);
     at::Tensor mlp;
     if (l.moe) {
@@ -2422,11 +2475,11 @@ struct DecoderStack : torch::CustomClassHolder {
       mlp = traced("eaglet.stack.routed_experts", [&] {
         return moe_routed_experts(y, l.experts_w13, l.experts_w2, std::get<0>(route), std::get<1>(route), l.expert_inter);
       });
-      if (l.mlp_inter) mlp = traced("eaglet.stack.shared_experts", [&] { return at::add(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter)); });
+      if (l.mlp_inter) mlp = traced("eaglet.stack.shared_experts", [&] { return add_bf16(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter)); });
     } else {
       mlp = traced("eaglet.stack.mlp", [&] { return amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter); });
     }
-    return at::add(h, mlp);
+    return add_bf16(h, mlp);
   }
 };
 
