@@ -192,6 +192,31 @@ class KVCacheManager:
         for row, new in zip(rows, new_lens):
             self.row_len[row] = new
 
+    def reserve_scratch(self, rows: list[int], lens: list[int], scratch: int) -> list[int]:
+        """Grows each row, which must hold exactly its ``lens`` tokens, by ``scratch`` positions
+        (a speculative round's); returns the flat ``req_to_token`` indices of those positions, row
+        after row. One pass over the rows: their blocks usually hold the scratch already (truncate
+        keeps it), and a decode round calls this for every request."""
+        size, width = self.block_size, self.max_context_len
+        if max(lens, default=0) + scratch > width:
+            raise OutOfCacheBlocks(f"sequence of {max(lens) + scratch} tokens exceeds the table width {width}")
+        entries: list[int] = []
+        grow_rows, grow_lens = [], []
+        row_len, row_blocks = self.row_len, self.row_blocks
+        for row, n in zip(rows, lens):
+            if row_len[row] != n:
+                raise RuntimeError("a speculative round needs every cache row to hold exactly its request's committed tokens")
+            if len(row_blocks[row]) * size < n + scratch:
+                grow_rows.append(row)
+                grow_lens.append(n + scratch)
+            start = row * width + n
+            entries.extend(range(start, start + scratch))
+        if grow_rows:  # out of blocks: raises with every row at its old length
+            self.reserve_rows(grow_rows, grow_lens)
+        for row, n in zip(rows, lens):
+            row_len[row] = n + scratch
+        return entries
+
     def table_entries(self, rows: list[int], starts: list[int], count: int) -> list[int]:
         """Flat indices into ``req_to_token`` of positions start .. start + count - 1 of each row."""
         width = self.max_context_len

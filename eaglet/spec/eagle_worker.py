@@ -111,6 +111,7 @@ class EagleWorker:
         self.catch_up_seconds = 0.0  # of the last round: the draft extend over positions decoded plain
         self._chain_index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, n) -> parents, depths
         self._aranges: dict[int, torch.Tensor] = {}
+        self._final_ids_table: tuple[tuple[tuple[int, ...], ...], torch.Tensor | None] = ((), None)  # (finals, _final_ids)
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -278,14 +279,11 @@ class EagleWorker:
         """Grows every request's row by the round's scratch and returns the round's row indices."""
         rows = [r.req_pool_idx for r in requests]
         prefix = [r.num_cached_tokens for r in requests]
-        if any(self.cache.row_len[row] != p for row, p in zip(rows, prefix)):
-            raise RuntimeError("a speculative round needs every cache row to hold exactly its request's committed tokens")
         scratch = self.spec.scratch_len
-        self.cache.reserve_rows(rows, [p + scratch for p in prefix])
+        entries = self.cache.reserve_scratch(rows, prefix, scratch)
         # Rows, prefixes, roots and the table entries of row indices prefix .. prefix + scratch - 1
         # of every row, in one host-to-tensor copy.
         batch_size = len(rows)
-        entries = self.cache.table_entries(rows, prefix, scratch)
         host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
         rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
         slots = self.cache.req_to_token.view(-1)[host[3 * batch_size :]].view(batch_size, scratch)
@@ -353,14 +351,16 @@ class EagleWorker:
         it ends the request; rejected, so is all after it), so a chain may stop once every request
         drafted one. Sampled requests keep their chains: a seeded one's random draws must not depend
         on the rest of its batch."""
-        finals = []
         for req in requests:
             params = req.sampling_params
             if not req.final_token_ids or not params.greedy or len(req.output_token_ids) < params.min_tokens:
                 return None
-            finals.append(req.final_token_ids)
-        width = max(len(ids) for ids in finals)
-        return long_tensor([t for ids in finals for t in ids + (-1,) * (width - len(ids))]).view(len(requests), width)
+        finals = tuple(r.final_token_ids for r in requests)  # rounds of one batch repeat the same table
+        if self._final_ids_table[0] != finals:
+            width = max(len(ids) for ids in finals)
+            table = long_tensor([t for ids in finals for t in ids + (-1,) * (width - len(ids))]).view(len(requests), width)
+            self._final_ids_table = (finals, table)
+        return self._final_ids_table[1]
 
     def _draft_chain(self, requests: list[Request], round_rows: RoundRows, length: int) -> DraftTree:
         """Top-1 drafting: the tree is the chain of each step's best token, which is what the tree
