@@ -266,3 +266,52 @@ def test_long_tensor_equals_torch_tensor():
         assert got.dtype == torch.long and torch.equal(got, torch.tensor(values, dtype=torch.long))
     with pytest.raises(OverflowError):
         long_tensor([2**63])
+
+
+def test_reserve_scratch_equals_reserve_rows_and_table_entries():
+    """A round's one-pass reserve (rows checked, grown by the scratch, entries listed) leaves what
+    reserve_rows and table_entries leave; a row not at its committed length, or too long a row,
+    raises before anything changes."""
+    def make() -> KVCacheManager:
+        return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
+                              max_context_len=32, dtype=torch.float32)
+
+    reference, one_pass = make(), make()
+    rows = [reference.alloc_row() for _ in range(3)]
+    assert [one_pass.alloc_row() for _ in range(3)] == rows
+    for lens in ([3, 0, 7], [4, 6, 8]):  # within a block, new blocks, a row already holding them
+        for c in (reference, one_pass):
+            c.truncate_rows(rows, [0, 0, 0], reserve=5)
+            c.grow_rows(rows, lens)
+        reference.reserve_rows(rows, [n + 5 for n in lens])
+        assert one_pass.reserve_scratch(rows, lens, 5) == reference.table_entries(rows, lens, 5)
+        assert torch.equal(one_pass.req_to_token, reference.req_to_token)
+        assert one_pass.row_blocks == reference.row_blocks and one_pass.row_len == reference.row_len
+    before = (one_pass.req_to_token.clone(), [list(b) for b in one_pass.row_blocks.values()], dict(one_pass.row_len))
+    with pytest.raises(RuntimeError, match="exactly its request's committed tokens"):
+        one_pass.reserve_scratch(rows, [4, 6, 9], 5)
+    with pytest.raises(OutOfCacheBlocks):
+        one_pass.reserve_scratch(rows, [4, 6, 28], 5)
+    assert torch.equal(one_pass.req_to_token, before[0])
+    assert [list(b) for b in one_pass.row_blocks.values()] == before[1] and one_pass.row_len == before[2]
+
+
+def test_same_length_batch_equals_build():
+    from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+
+    rows, prefix, n = [2, 0, 5], [7, 3, 11], 4
+    ids, slots = torch.arange(100, 112), torch.arange(40, 52)
+    positions = (torch.tensor(prefix)[:, None] + torch.arange(n)).reshape(-1)
+    common = dict(input_ids=ids, out_cache_loc=slots, positions=positions, mode=ForwardMode.VERIFY,
+                  logits_indices=torch.arange(12), capture_layers=(1,), greedy_ids_only=True)
+    built = ForwardBatch.build(req_pool_indices=rows, extend_prefix_lens=prefix, extend_seq_lens=[n] * 3, **common)
+    same = ForwardBatch.same_length(new_tokens=n, req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix),
+                                    prefix_lens_cpu=prefix, **common)
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "extend_seq_lens",
+                 "extend_prefix_lens", "extend_start_loc", "logits_indices"):
+        assert torch.equal(getattr(same, name), getattr(built, name)), name
+    for name in ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "mode", "capture_layers", "greedy_ids_only"):
+        assert getattr(same, name) == getattr(built, name), name
+    with pytest.raises(ValueError, match="expected 8"):
+        ForwardBatch.same_length(new_tokens=n, req_pool_indices=torch.tensor(rows[:2]), prefix_lens=torch.tensor(prefix[:2]),
+                                 prefix_lens_cpu=prefix[:2], **common)

@@ -125,6 +125,52 @@ class ForwardBatch:
         return extend_start_loc + extend_seq_lens - 1
 
     @classmethod
+    def same_length(
+        cls,
+        *,
+        new_tokens: int,
+        input_ids: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: list[int],
+        out_cache_loc: torch.Tensor,
+        positions: torch.Tensor,
+        mode: ForwardMode,
+        logits_indices: torch.Tensor,
+        capture_layers: tuple[int, ...] = (),
+        custom_mask: torch.Tensor | None = None,
+        greedy_ids_only: bool = False,
+    ) -> "ForwardBatch":
+        """``build`` for ``new_tokens`` new tokens per request whose rows and prefix lengths are
+        already tensors (a speculative round's verify): the per-request tensors come from three
+        tensor ops instead of a host copy and its unbinding, the same values."""
+        batch_size = len(prefix_lens_cpu)
+        total = batch_size * new_tokens
+        if new_tokens <= 0 or req_pool_indices.shape != (batch_size,) or prefix_lens.shape != (batch_size,):
+            raise ValueError("same_length: one row index and prefix length per request, and at least one new token")
+        if input_ids.shape[0] != total or out_cache_loc.shape[0] != total or positions.shape[0] != total:
+            raise ValueError(f"flat buffer holds {input_ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
+        device = input_ids.device
+        return cls(
+            mode=mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=prefix_lens + new_tokens,
+            extend_seq_lens=torch.full((batch_size,), new_tokens, dtype=torch.long, device=device),
+            extend_prefix_lens=prefix_lens,
+            extend_start_loc=torch.arange(0, total, new_tokens, device=device),
+            logits_indices=logits_indices,
+            seq_lens_cpu=[p + new_tokens for p in prefix_lens_cpu],
+            extend_seq_lens_cpu=[new_tokens] * batch_size,
+            extend_prefix_lens_cpu=list(prefix_lens_cpu),
+            capture_layers=capture_layers,
+            custom_mask=custom_mask,
+            greedy_ids_only=greedy_ids_only,
+        )
+
+    @classmethod
     def build(
         cls,
         *,

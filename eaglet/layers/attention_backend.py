@@ -152,7 +152,7 @@ class TorchNativeMLABackend:
         """Cache slots of row indices 0..max_len-1 of every request, flattened: [B * max_len]."""
         key = ("slots", id(self.cache.req_to_token), max_len)
         if key not in batch._memo:
-            batch._memo[key] = self.cache.req_to_token[batch.req_pool_indices, :max_len].reshape(-1)
+            batch._memo[key] = self.cache.req_to_token[:, :max_len].index_select(0, batch.req_pool_indices).reshape(-1)
         return batch._memo[key]
 
     @staticmethod

@@ -286,7 +286,7 @@ class EagleWorker:
         batch_size = len(rows)
         host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
         rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
-        slots = self.cache.req_to_token.view(-1)[host[3 * batch_size :]].view(batch_size, scratch)
+        slots = self.cache.req_to_token.view(-1).index_select(0, host[3 * batch_size :]).view(batch_size, scratch)
         greedy_only = all(r.greedy_ids_suffice for r in requests)
         return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots, greedy_only)
 
@@ -296,13 +296,14 @@ class EagleWorker:
         if k == 1:
             return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
         batch_size = len(requests)
-        frontier_tokens = self.states.topk_tokens[round_rows.rows_t, :k]  # [B, k]
-        frontier_scores = self.states.topk_logprobs[round_rows.rows_t, :k]
-        hidden = self.states.hidden[round_rows.rows_t]
+        # index_select: a few us less than indexing with a tensor, each (a round reads several).
+        frontier_tokens = self.states.topk_tokens[:, :k].index_select(0, round_rows.rows_t)  # [B, k]
+        frontier_scores = self.states.topk_logprobs[:, :k].index_select(0, round_rows.rows_t)
+        hidden = self.states.hidden.index_select(0, round_rows.rows_t)
         fused = self.draft.fused_midlayer
         if fused is not None:
             # Row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries.
-            row_slots = self.cache.req_to_token[round_rows.rows_t, : max(round_rows.prefix) + (steps - 1) * k]
+            row_slots = self.cache.req_to_token[:, : max(round_rows.prefix) + (steps - 1) * k].index_select(0, round_rows.rows_t)
             with self._draft_clock:
                 drafted = fused.draft_tree(
                     self.draft, round_rows.roots, frontier_tokens, frontier_scores, hidden, self.draft_backend, row_slots,
@@ -367,14 +368,14 @@ class EagleWorker:
         path keeps for k = 1 (its scores fall along the chain), without recording candidates. It
         stops early once every request drafted a token that would end it (``_final_ids``)."""
         batch_size = len(requests)
-        first = self.states.topk_tokens[round_rows.rows_t, 0]  # [B]: step 0's token, from the last draft extend
-        hidden = self.states.hidden[round_rows.rows_t]
+        first = self.states.topk_tokens[:, 0].index_select(0, round_rows.rows_t)  # [B]: step 0's token, from the last draft extend
+        hidden = self.states.hidden.index_select(0, round_rows.rows_t)
         final_ids = self._final_ids(requests) if length > 1 else None
         fused = self.draft.fused_midlayer
         chain = None
         if length > 1 and fused is not None:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
-            row_slots = self.cache.req_to_token[round_rows.rows_t, : max(round_rows.prefix) + length - 1]
+            row_slots = self.cache.req_to_token[:, : max(round_rows.prefix) + length - 1].index_select(0, round_rows.rows_t)
             with self._draft_clock:
                 chain = fused.draft_chain(
                     self.draft, round_rows.roots, first, hidden, self.draft_backend, row_slots, round_rows.prefix,
@@ -438,11 +439,12 @@ class EagleWorker:
         returned only its greedy ids (a greedy-only round)."""
         batch_size, n = tree.tokens.shape
         prefix = round_rows.prefix_t
-        batch = ForwardBatch.build(
+        batch = ForwardBatch.same_length(
+            new_tokens=n,
             input_ids=tree.tokens.reshape(-1),
-            req_pool_indices=round_rows.rows,
-            extend_prefix_lens=round_rows.prefix,
-            extend_seq_lens=[n] * batch_size,
+            req_pool_indices=round_rows.rows_t,
+            prefix_lens=prefix,
+            prefix_lens_cpu=round_rows.prefix,
             out_cache_loc=round_rows.slots[:, :n].reshape(-1),
             positions=(prefix[:, None] + tree.depths).reshape(-1),
             mode=ForwardMode.VERIFY,
@@ -529,5 +531,5 @@ class EagleWorker:
             positions=positions,
             mode=ForwardMode.EXTEND,
         )
-        self._extend_draft(batch, features[feature_rows], round_rows.rows_t)
+        self._extend_draft(batch, features.index_select(0, feature_rows), round_rows.rows_t)
         return RoundResult(new_tokens, accepted, tree.tokens.shape[1] - 1)
