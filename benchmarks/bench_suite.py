@@ -42,6 +42,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -305,6 +306,17 @@ def vllm_env(venv: Path) -> dict[str, str]:
     return env
 
 
+def vllm_failure(stderr: str) -> str:
+    """The root cause of a failed vLLM run: the first exception line of its stderr (a worker's,
+    which the engine's own "initialization failed" only points to), else the stderr's last lines."""
+    lines = stderr.strip().splitlines()
+    causes = [line for line in lines if re.search(r"\b[A-Za-z]*(Error|Exception): ", line)
+              and "Engine core initialization failed" not in line]
+    if causes:
+        return re.sub(r"^.*?\b([A-Za-z]*(Error|Exception): )", r"\1", causes[0]).strip()
+    return " | ".join(lines[-5:])
+
+
 def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args, mode: str = "plain") -> dict:
     """Runs benchmarks/vllm_runner.py in the vLLM venv (``mode`` plain or chain: EAGLE-3 with the
     chain's draft length); {"skipped": why} when it cannot."""
@@ -328,8 +340,7 @@ def run_vllm(venv: Path, ckpt: dict, prompts: list, batch_sizes: list[int], args
         return {"skipped": f"vLLM run exceeded {args.vllm_timeout:.0f}s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
-        return {"skipped": f"vLLM run failed (exit {proc.returncode}): {tail}",
+        return {"skipped": f"vLLM run failed (exit {proc.returncode}): {vllm_failure(proc.stderr)}",
                 "command": " ".join(shlex.quote(c) for c in cmd[:2]) + " '<spec json>'"}
     return json.loads(lines[-1])
 

@@ -88,6 +88,21 @@ def test_failing_vllm_venv_is_reported_not_fatal(tmp_path):
     assert any("vLLM run failed (exit 3): vllm exploded" in note for note in ck["notes"])
 
 
+def test_a_failed_vllm_run_reports_its_root_cause():
+    """vLLM's engine says only that its core failed to start; the note names the worker's exception."""
+    import bench_suite
+
+    stderr = "\n".join([
+        "INFO 12-06 starting",
+        "(Worker pid=1) ERROR 12-06 [multiproc_executor.py:953] Traceback (most recent call last):",
+        "(Worker pid=1) ERROR 12-06 [multiproc_executor.py:953] RuntimeError: expect weight to be bfloat16",
+        "    raise RuntimeError(",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ])
+    assert bench_suite.vllm_failure(stderr) == "RuntimeError: expect weight to be bfloat16"
+    assert bench_suite.vllm_failure("one\ntwo") == "one | two"
+
+
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.png"
