@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
     if speculative:
         extra["speculative_config"] = {"method": "eagle3", "model": speculative["model"],
                                        "num_speculative_tokens": int(speculative["num_speculative_tokens"])}
+        if "attention_backend" in extra:  # the draft's layers take their own backend, else AMX_MLA
+            extra["speculative_config"]["attention_backend"] = extra["attention_backend"]
     llm = LLM(
         model=spec["model"],
         dtype=dtype,
