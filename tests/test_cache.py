@@ -268,10 +268,10 @@ def test_long_tensor_equals_torch_tensor():
         long_tensor([2**63])
 
 
-def test_reserve_scratch_equals_reserve_rows_and_table_entries():
-    """A round's one-pass reserve (rows checked, grown by the scratch, entries listed) leaves what
-    reserve_rows and table_entries leave; a row not at its committed length, or too long a row,
-    raises before anything changes."""
+def test_reserve_scratch_equals_reserve_rows():
+    """A round's one-pass reserve (rows checked, grown by the scratch, their table entries listed)
+    leaves what reserve_rows leaves; a row not at its committed length, or too long a row, raises
+    before anything changes."""
     def make() -> KVCacheManager:
         return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
                               max_context_len=32, dtype=torch.float32)
@@ -284,7 +284,8 @@ def test_reserve_scratch_equals_reserve_rows_and_table_entries():
             c.truncate_rows(rows, [0, 0, 0], reserve=5)
             c.grow_rows(rows, lens)
         reference.reserve_rows(rows, [n + 5 for n in lens])
-        assert one_pass.reserve_scratch(rows, lens, 5) == reference.table_entries(rows, lens, 5)
+        width = reference.max_context_len  # flat indices into req_to_token of positions n .. n + 4 of each row
+        assert one_pass.reserve_scratch(rows, lens, 5) == [row * width + n + i for row, n in zip(rows, lens) for i in range(5)]
         assert torch.equal(one_pass.req_to_token, reference.req_to_token)
         assert one_pass.row_blocks == reference.row_blocks and one_pass.row_len == reference.row_len
     before = (one_pass.req_to_token.clone(), [list(b) for b in one_pass.row_blocks.values()], dict(one_pass.row_len))

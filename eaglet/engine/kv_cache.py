@@ -217,11 +217,6 @@ class KVCacheManager:
             row_len[row] = n + scratch
         return entries
 
-    def table_entries(self, rows: list[int], starts: list[int], count: int) -> list[int]:
-        """Flat indices into ``req_to_token`` of positions start .. start + count - 1 of each row."""
-        width = self.max_context_len
-        return [row * width + start + i for row, start in zip(rows, starts) for i in range(count)]
-
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
         self.truncate_rows([row], [new_len])
