@@ -98,12 +98,13 @@ def test_the_table_is_written_a_block_at_a_time():
     assert_table_covers_blocks(cache)
 
 
-def test_growing_and_truncating_several_rows_at_once_equals_doing_each():
-    def make() -> KVCacheManager:
-        return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
-                              max_context_len=32, dtype=torch.float32)
+def _three_row_cache() -> KVCacheManager:
+    return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
+                          max_context_len=32, dtype=torch.float32)
 
-    one_by_one, at_once = make(), make()
+
+def test_growing_and_truncating_several_rows_at_once_equals_doing_each():
+    one_by_one, at_once = _three_row_cache(), _three_row_cache()
     rows = [one_by_one.alloc_row() for _ in range(3)]
     assert [at_once.alloc_row() for _ in range(3)] == rows
     for c in (one_by_one, at_once):  # ragged starting lengths, one row still empty
@@ -272,11 +273,7 @@ def test_reserve_scratch_equals_reserve_rows():
     """A round's one-pass reserve (rows checked, grown by the scratch, their table entries listed)
     leaves what reserve_rows leaves; a row not at its committed length, or too long a row, raises
     before anything changes."""
-    def make() -> KVCacheManager:
-        return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
-                              max_context_len=32, dtype=torch.float32)
-
-    reference, one_pass = make(), make()
+    reference, one_pass = _three_row_cache(), _three_row_cache()
     rows = [reference.alloc_row() for _ in range(3)]
     assert [one_pass.alloc_row() for _ in range(3)] == rows
     for lens in ([3, 0, 7], [4, 6, 8]):  # within a block, new blocks, a row already holding them

@@ -1710,8 +1710,7 @@ at::Tensor add_bf16(const at::Tensor& a, const at::Tensor& b) {
     const int64_t n = a.numel();
     for (int64_t i = 0; i < n; i += kLanes) {
       const __mmask16 m = tail_mask(n - i);
-      const __m512 sum = _mm512_add_ps(load16(ap + i, m), load16(bp + i, m));
-      _mm256_mask_storeu_epi16(op + i, m, (__m256i)_mm512_cvtneps_pbh(sum));
+      store16_bf16(op + i, _mm512_add_ps(load16(ap + i, m), load16(bp + i, m)), m);
     }
     return out;
   }
