@@ -14,6 +14,7 @@ from eaglet import LLM, SamplingParams, kernels
 from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
 from eaglet.kernels.decoder_stack import FusedMidlayer
 from eaglet.layers.attention_backend import FusedCPUMLABackend
+from eaglet.spec.eagle_worker import DraftState
 from checkpoints import write_deepseek_v3_checkpoint
 from spec_fixtures import echo_draft, echo_text_target
 
@@ -424,10 +425,13 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
     assert all(len(out.token_ids) == 14 for out in outputs)
     assert fused_rounds and all(fused_rounds)
     if topk == 1:  # a token past the embeddings: a precise error before anything is written
-        d, roots, tokens, *rest = calls[-1]
+        d, roots, rows, states, *rest = calls[-1]
         before = worker.pool.kv.clone()
+        bad_states = DraftState(torch.full_like(states.topk_tokens, 100_000), states.topk_logprobs, states.hidden)
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: token id 100000 out of range"):
-            midlayer.draft_chain(d, roots, torch.full_like(tokens, 100_000), *rest)
+            midlayer.draft_chain(d, roots, rows, bad_states, *rest)
         with torch.inference_mode(), pytest.raises(RuntimeError, match=r"draft_chain: int64 final_ids \[B, S\]"):
-            midlayer.draft_chain(d, roots, tokens, *rest[:-1], torch.zeros(len(tokens) + 1, 2, dtype=torch.long))
+            midlayer.draft_chain(d, roots, rows, states, *rest[:-1], torch.zeros(len(rows) + 1, 2, dtype=torch.long))
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: req_to_token or rope_table too short"):
+            midlayer.draft_chain(d, roots, rows, states, rest[0], rest[1], rest[2] + 10**6, *rest[3:])
         assert torch.equal(before, worker.pool.kv)

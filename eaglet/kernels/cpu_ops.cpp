@@ -2218,28 +2218,35 @@ struct DecoderStack : torch::CustomClassHolder {
   // is also the row index its draft entry is written to; it sees row indices < prefix + s (a chain's
   // causal mask). Then the final norm, lm_head, the first maximal logit (argmax) and d2t, as
   // Eagle3Draft.forward and EagleWorker._draft_chain do per step, with the same kernels on the same
-  // inputs. row_slots [B, >= max(prefix) + steps]: each request's cache slots by row index;
-  // rope_table [positions, 2, R / 2]: cos and sin per position. With final_ids [B, S] (-1 pads),
-  // drafting stops once every request's chain holds one of its final ids (tokens that would end it:
-  // later drafts are never kept). Returns the chain [B, steps + 2] (shorter where it stopped): the
+  // inputs. Request b's step-0 token, fed-back hidden and cache slots by row index are row
+  // state_rows[b] of the worker's tables: state_tokens [R, k] (column 0), state_hidden [R, H],
+  // req_to_token [R, >= max(prefix) + steps] (gathered here: three tensor ops fewer in each
+  // round's Python); rope_table [positions, 2, R / 2]: cos and sin per position. With final_ids
+  // [B, S] (-1 pads), drafting stops once every request's chain holds one of its final ids (tokens
+  // that would end it: later drafts are never kept). Returns the chain [B, steps + 2] (shorter where it stopped): the
   // roots, the tokens, then the drafted target ids.
-  at::Tensor draft_chain(at::Tensor roots, at::Tensor tokens, at::Tensor h, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
-                         double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
-                         bool norm_output, at::Tensor kv, at::Tensor row_slots, at::Tensor prefix, int64_t steps,
-                         c10::optional<at::Tensor> final_ids) {
-    const int64_t batch = tokens.size(0);
-    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && prefix.sizes() == tokens.sizes() &&
-                    roots.sizes() == tokens.sizes() && roots.scalar_type() == at::kLong && prefix.scalar_type() == at::kLong &&
+  at::Tensor draft_chain(at::Tensor roots, at::Tensor state_rows, at::Tensor state_tokens, at::Tensor state_hidden,
+                         at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight, double norm_eps, at::Tensor lm_head,
+                         int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t, bool norm_output, at::Tensor kv,
+                         at::Tensor req_to_token, at::Tensor prefix, int64_t steps, c10::optional<at::Tensor> final_ids) {
+    const int64_t batch = state_rows.size(0);
+    TORCH_CHECK(state_rows.dim() == 1 && state_rows.scalar_type() == at::kLong && prefix.sizes() == state_rows.sizes() &&
+                    roots.sizes() == state_rows.sizes() && roots.scalar_type() == at::kLong && prefix.scalar_type() == at::kLong &&
                     d2t.scalar_type() == at::kLong,
-                "DecoderStack.draft_chain: int64 roots [B], tokens [B], prefix [B] and d2t");
-    TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == batch && row_slots.scalar_type() == at::kLong,
-                "DecoderStack.draft_chain: int64 row_slots [B, S]");
+                "DecoderStack.draft_chain: int64 roots [B], state_rows [B], prefix [B] and d2t");
+    TORCH_CHECK(state_tokens.dim() == 2 && state_tokens.size(1) >= 1 && state_tokens.scalar_type() == at::kLong &&
+                    state_hidden.dim() == 2 && req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong,
+                "DecoderStack.draft_chain: int64 state_tokens [R, k], state_hidden [R, H], int64 req_to_token [R, W]");
     TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2 && steps >= 1, "DecoderStack.draft_chain: rope_table [P, 2, R / 2]");
     const at::Tensor prefix_c = prefix.contiguous();
     const int64_t* pp = prefix_c.data_ptr<int64_t>();
     const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
+    const at::Tensor tokens = state_tokens.select(1, 0).index_select(0, state_rows);
+    at::Tensor h = state_hidden.index_select(0, state_rows);
+    const at::Tensor row_slots =
+        req_to_token.narrow(1, 0, std::min(req_to_token.size(1), max_prefix + steps)).index_select(0, state_rows);
     TORCH_CHECK(row_slots.size(1) >= max_prefix + steps && rope_table.size(0) >= max_prefix + steps,
-                "DecoderStack.draft_chain: row_slots or rope_table too short for ", steps, " steps");
+                "DecoderStack.draft_chain: req_to_token or rope_table too short for ", steps, " steps");
     TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == h.scalar_type(),
                 "DecoderStack.draft_chain: embeddings [V, ", hidden, "] in the hidden's dtype");
     // Each step's inputs are written in place (ids, positions, slots, embedding and rotary rows):
@@ -2311,37 +2318,44 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // EAGLE-2 tree drafting of a speculative round in one call (EagleWorker._draft_tree's loop, then
-  // select_draft_tree): the k frontier candidates of each request (tokens / scores [B, k]: the
-  // last draft extend's top k and their log-probabilities, all fed the hidden h [B, H]) expand for
-  // steps - 1 midlayer forwards. Step s writes frontier node f of request b at row index
-  // prefix + (s - 1) * k + f, position prefix + s - 1, seeing row indices below prefix and its own
-  // ancestors' (the scratch rows of the nodes it descends from); its top k children score the
+  // select_draft_tree): the k frontier candidates of each request (tokens / scores: the last draft
+  // extend's top k and their log-probabilities, all fed its hidden; request b's are row
+  // state_rows[b] of the worker's tables state_tokens / state_logprobs [R, >= k] and state_hidden
+  // [R, H]) expand for steps - 1 midlayer forwards. Step s writes frontier node f of request b at
+  // row index prefix + (s - 1) * k + f, position prefix + s - 1, seeing row indices below prefix and
+  // its own ancestors' (the scratch rows of the nodes it descends from); its top k children score the
   // parent's score plus their log-probability (topk_logprobs over the lm_head logits, d2t applied),
   // and the k best children (the earlier first among equal scores) are the next frontier, fed their
   // parent's hidden out. Same kernels on the same inputs as the per-step Eagle3Draft.forward.
-  // row_slots [B, >= max(prefix) + (steps - 1) * k]. Returns select_draft_tree's [tokens, parents,
-  // depths] of num_nodes nodes, the roots first.
-  std::vector<at::Tensor> draft_tree(at::Tensor roots, at::Tensor tokens, at::Tensor scores, at::Tensor h, at::Tensor embed,
-                                     at::Tensor rope_table, at::Tensor norm_weight, double norm_eps, at::Tensor lm_head, int64_t vocab,
-                                     c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t, bool norm_output, at::Tensor kv,
-                                     at::Tensor row_slots, at::Tensor prefix, int64_t steps, int64_t num_nodes) {
-    const int64_t batch = tokens.size(0), k = tokens.dim() == 2 ? tokens.size(1) : 0;
-    TORCH_CHECK(tokens.dim() == 2 && k >= 1 && tokens.scalar_type() == at::kLong && scores.sizes() == tokens.sizes() &&
-                    scores.scalar_type() == at::kFloat,
-                "DecoderStack.draft_tree: int64 tokens and float32 scores [B, k]");
-    TORCH_CHECK(roots.dim() == 1 && roots.size(0) == batch && roots.scalar_type() == at::kLong && prefix.sizes() == roots.sizes() &&
-                    prefix.scalar_type() == at::kLong && d2t.scalar_type() == at::kLong,
-                "DecoderStack.draft_tree: int64 roots [B], prefix [B] and d2t");
-    TORCH_CHECK(h.dim() == 2 && h.size(0) == batch, "DecoderStack.draft_tree: hidden [B, H]");
-    TORCH_CHECK(row_slots.dim() == 2 && row_slots.size(0) == batch && row_slots.scalar_type() == at::kLong,
-                "DecoderStack.draft_tree: int64 row_slots [B, S]");
+  // Cache slots by row index: row state_rows[b] of req_to_token [R, >= max(prefix) + (steps - 1) * k].
+  // Returns select_draft_tree's [tokens, parents, depths] of num_nodes nodes, the roots first.
+  std::vector<at::Tensor> draft_tree(at::Tensor roots, at::Tensor state_rows, at::Tensor state_tokens, at::Tensor state_logprobs,
+                                     int64_t k, at::Tensor state_hidden, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
+                                     double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias,
+                                     at::Tensor d2t, bool norm_output, at::Tensor kv, at::Tensor req_to_token, at::Tensor prefix,
+                                     int64_t steps, int64_t num_nodes) {
+    const int64_t batch = state_rows.size(0);
+    TORCH_CHECK(state_tokens.dim() == 2 && k >= 1 && state_tokens.size(1) >= k && state_tokens.scalar_type() == at::kLong &&
+                    state_logprobs.sizes() == state_tokens.sizes() && state_logprobs.scalar_type() == at::kFloat,
+                "DecoderStack.draft_tree: int64 state_tokens and float32 state_logprobs [R, >= k]");
+    TORCH_CHECK(state_rows.dim() == 1 && state_rows.scalar_type() == at::kLong && roots.sizes() == state_rows.sizes() &&
+                    roots.scalar_type() == at::kLong && prefix.sizes() == state_rows.sizes() && prefix.scalar_type() == at::kLong &&
+                    d2t.scalar_type() == at::kLong,
+                "DecoderStack.draft_tree: int64 roots [B], state_rows [B], prefix [B] and d2t");
+    TORCH_CHECK(state_hidden.dim() == 2 && req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong,
+                "DecoderStack.draft_tree: state_hidden [R, H], int64 req_to_token [R, W]");
     TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2 && steps >= 1, "DecoderStack.draft_tree: rope_table [P, 2, R / 2]");
     const int64_t scratch = (steps - 1) * k, num_candidates = k + scratch * k;
     const at::Tensor prefix_c = prefix.contiguous();
     const int64_t* pp = prefix_c.data_ptr<int64_t>();
     const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
+    const at::Tensor tokens = state_tokens.narrow(1, 0, k).index_select(0, state_rows);
+    const at::Tensor scores = state_logprobs.narrow(1, 0, k).index_select(0, state_rows);
+    const at::Tensor h = state_hidden.index_select(0, state_rows);
+    const at::Tensor row_slots =
+        req_to_token.narrow(1, 0, std::min(req_to_token.size(1), max_prefix + scratch)).index_select(0, state_rows);
     TORCH_CHECK(row_slots.size(1) >= max_prefix + scratch && rope_table.size(0) >= max_prefix + steps,
-                "DecoderStack.draft_tree: row_slots or rope_table too short for ", steps, " steps of ", k);
+                "DecoderStack.draft_tree: req_to_token or rope_table too short for ", steps, " steps of ", k);
     TORCH_CHECK(num_nodes >= 1 && num_nodes - 1 <= num_candidates, "DecoderStack.draft_tree: ", num_nodes, " nodes from ",
                 num_candidates, " candidates");
     const auto longs = prefix_c.options();

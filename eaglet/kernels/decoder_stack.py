@@ -206,34 +206,34 @@ class FusedMidlayer:
         return True
 
     def draft_chain(
-        self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
-        backend: AttentionBackend, row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
-        final_ids: torch.Tensor | None = None,
+        self, draft: Eagle3Draft, roots: torch.Tensor, rows: torch.Tensor, states: DraftState, backend: AttentionBackend,
+        prefix: list[int], prefix_t: torch.Tensor, steps: int, final_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) from ``tokens`` [B]
-        after each request's ``prefix`` (also as the tensor ``prefix_t``): the chain [B, steps + 2]
-        (roots, tokens, the drafted target ids; fewer steps once every request drafted one of its
+        """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) for the requests of
+        cache ``rows`` [B], from their ``states`` (step 0's token, the fed-back hidden) after each
+        request's ``prefix`` (also as the tensor ``prefix_t``): the chain [B, steps + 2] (roots, step
+        0's tokens, the drafted target ids; fewer steps once every request drafted one of its
         ``final_ids`` [B, S], -1 padded), or None where the per-step Eagle3Draft.forward must run
         (it would not take the tile-layout kernels throughout)."""
-        head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0])
+        head = self._head_inputs(draft, states.hidden, backend, max(prefix) + steps, rows.shape[0])
         if head is None:
             return None
-        return self.stack.draft_chain(roots, tokens, hidden, *head, backend.pool.kv, row_slots, prefix_t, steps, final_ids)
+        return self.stack.draft_chain(roots, rows, states.topk_tokens, states.hidden, *head, backend.pool.kv,
+                                      backend.cache.req_to_token, prefix_t, steps, final_ids)
 
     def draft_tree(
-        self, draft: Eagle3Draft, roots: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,
-        backend: AttentionBackend, row_slots: torch.Tensor, prefix: list[int], prefix_t: torch.Tensor, steps: int,
-        num_nodes: int,
+        self, draft: Eagle3Draft, roots: torch.Tensor, rows: torch.Tensor, states: DraftState, k: int,
+        backend: AttentionBackend, prefix: list[int], prefix_t: torch.Tensor, steps: int, num_nodes: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """EAGLE-2 tree drafting of a round in one call (``DecoderStack.draft_tree``): from each
-        request's top-k ``tokens`` / ``scores`` [B, k] and ``hidden`` [B, H], ``steps - 1`` draft
-        steps, then the best ``num_nodes - 1`` candidates under the ``roots``: (tokens, parents,
-        depths) [B, num_nodes], or None where the per-step Eagle3Draft.forward must run."""
-        head = self._head_inputs(draft, hidden, backend, max(prefix) + steps, hidden.shape[0] * tokens.shape[1])
+        """EAGLE-2 tree drafting of a round in one call (``DecoderStack.draft_tree``) for the requests
+        of cache ``rows`` [B]: from each one's top-k tokens, scores and hidden in ``states``,
+        ``steps - 1`` draft steps, then the best ``num_nodes - 1`` candidates under the ``roots``:
+        (tokens, parents, depths) [B, num_nodes], or None where the per-step Eagle3Draft.forward must run."""
+        head = self._head_inputs(draft, states.hidden, backend, max(prefix) + steps, rows.shape[0] * k)
         if head is None:
             return None
-        return tuple(self.stack.draft_tree(roots, tokens, scores, hidden, *head, backend.pool.kv, row_slots, prefix_t,
-                                           steps, num_nodes))
+        return tuple(self.stack.draft_tree(roots, rows, states.topk_tokens, states.topk_logprobs, k, states.hidden, *head,
+                                           backend.pool.kv, backend.cache.req_to_token, prefix_t, steps, num_nodes))
 
     def _head_inputs(
         self, draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int

@@ -296,21 +296,19 @@ class EagleWorker:
         if k == 1:
             return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
         batch_size = len(requests)
-        # index_select: a few us less than indexing with a tensor, each (a round reads several).
-        frontier_tokens = self.states.topk_tokens[:, :k].index_select(0, round_rows.rows_t)  # [B, k]
-        frontier_scores = self.states.topk_logprobs[:, :k].index_select(0, round_rows.rows_t)
-        hidden = self.states.hidden.index_select(0, round_rows.rows_t)
         fused = self.draft.fused_midlayer
-        if fused is not None:
-            # Row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries.
-            row_slots = self.cache.req_to_token[:, : max(round_rows.prefix) + (steps - 1) * k].index_select(0, round_rows.rows_t)
+        if fused is not None:  # row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries
             with self._draft_clock:
                 drafted = fused.draft_tree(
-                    self.draft, round_rows.roots, frontier_tokens, frontier_scores, hidden, self.draft_backend, row_slots,
-                    round_rows.prefix, round_rows.prefix_t, steps, num_draft_tokens,
+                    self.draft, round_rows.roots, round_rows.rows_t, self.states, k, self.draft_backend, round_rows.prefix,
+                    round_rows.prefix_t, steps, num_draft_tokens,
                 )
             if drafted is not None:
                 return DraftTree(*drafted)
+        # index_select: a few us less than indexing with a tensor, each.
+        frontier_tokens = self.states.topk_tokens[:, :k].index_select(0, round_rows.rows_t)  # [B, k]
+        frontier_scores = self.states.topk_logprobs[:, :k].index_select(0, round_rows.rows_t)
+        hidden = self.states.hidden.index_select(0, round_rows.rows_t)
         recorder = CandidateRecorder()
         frontier_hidden = hidden[:, None, :].expand(-1, k, -1)
         frontier_ids = recorder.add(frontier_tokens, frontier_scores, torch.full((batch_size, k), -1), depth=1)
@@ -368,20 +366,19 @@ class EagleWorker:
         path keeps for k = 1 (its scores fall along the chain), without recording candidates. It
         stops early once every request drafted a token that would end it (``_final_ids``)."""
         batch_size = len(requests)
-        first = self.states.topk_tokens[:, 0].index_select(0, round_rows.rows_t)  # [B]: step 0's token, from the last draft extend
-        hidden = self.states.hidden.index_select(0, round_rows.rows_t)
         final_ids = self._final_ids(requests) if length > 1 else None
         fused = self.draft.fused_midlayer
         chain = None
         if length > 1 and fused is not None:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
-            row_slots = self.cache.req_to_token[:, : max(round_rows.prefix) + length - 1].index_select(0, round_rows.rows_t)
             with self._draft_clock:
                 chain = fused.draft_chain(
-                    self.draft, round_rows.roots, first, hidden, self.draft_backend, row_slots, round_rows.prefix,
+                    self.draft, round_rows.roots, round_rows.rows_t, self.states, self.draft_backend, round_rows.prefix,
                     round_rows.prefix_t, length - 1, final_ids,
                 )
         if chain is None:
+            first = self.states.topk_tokens[:, 0].index_select(0, round_rows.rows_t)  # [B]: step 0's token, from the last draft extend
+            hidden = self.states.hidden.index_select(0, round_rows.rows_t)
             tokens = [round_rows.roots, first][: length + 1]  # [B] each
             ended = torch.zeros(batch_size, dtype=torch.bool)
             for step in range(1, length):
