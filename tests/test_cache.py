@@ -310,6 +310,48 @@ def test_same_length_batch_equals_build():
         assert torch.equal(getattr(same, name), getattr(built, name)), name
     for name in ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "mode", "capture_layers", "greedy_ids_only"):
         assert getattr(same, name) == getattr(built, name), name
+    # token_starts: made with the batch either way, and what it derives from extend_start_loc.
+    built._memo.clear()
+    assert torch.equal(same.token_starts(), torch.tensor([0, 4, 8, 12])) and torch.equal(built.token_starts(), same.token_starts())
+    assert torch.equal(ForwardBatch.build(req_pool_indices=rows, extend_prefix_lens=prefix, extend_seq_lens=[n] * 3,
+                                          **common).token_starts(), same.token_starts())
     with pytest.raises(ValueError, match="expected 8"):
         ForwardBatch.same_length(new_tokens=n, req_pool_indices=torch.tensor(rows[:2]), prefix_lens=torch.tensor(prefix[:2]),
                                  prefix_lens_cpu=prefix[:2], **common)
+
+
+def test_ragged_batch_equals_build():
+    """ForwardBatch.ragged (the per-request tensors made by commit_table) against build from the
+    same lengths, field by field; inconsistent lengths raise."""
+    from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+
+    rows, prefix, lens = [2, 0, 5], [7, 3, 11], [1, 4, 2]
+    starts = [0, 1, 5, 7]
+    ids, slots = torch.arange(100, 107), torch.arange(40, 47)
+    positions = torch.tensor([p + i for p, n in zip(prefix, lens) for i in range(n)])
+    common = dict(input_ids=ids, out_cache_loc=slots, positions=positions, mode=ForwardMode.EXTEND)
+    built = ForwardBatch.build(req_pool_indices=rows, extend_prefix_lens=prefix, extend_seq_lens=lens, **common)
+    ragged = ForwardBatch.ragged(
+        req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
+        seq_lens=torch.tensor([p + n for p, n in zip(prefix, lens)]), token_starts=torch.tensor(starts),
+        logits_indices=torch.tensor([s + n - 1 for s, n in zip(starts, lens)]), prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=lens, **common,
+    )
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "extend_seq_lens",
+                 "extend_prefix_lens", "extend_start_loc", "logits_indices"):
+        assert torch.equal(getattr(ragged, name), getattr(built, name)), name
+    for name in ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "mode"):
+        assert getattr(ragged, name) == getattr(built, name), name
+    assert torch.equal(ragged.token_starts(), built.token_starts())
+    with pytest.raises(ValueError, match="expected 8"):
+        ForwardBatch.ragged(
+            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
+            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
+            prefix_lens_cpu=prefix, extend_seq_lens_cpu=[1, 4, 3], **common,
+        )
+    with pytest.raises(ValueError, match="one row index"):
+        ForwardBatch.ragged(
+            req_pool_indices=torch.tensor(rows[:2]), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
+            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
+            prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, **common,
+        )

@@ -608,16 +608,21 @@ def test_commit_table_kernel_equals_the_python_table(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(kernels, "loaded", lambda: False)
             python = result.commit_table(tokens, slots, prefix)
-        assert torch.equal(kernel, python)
+        for name in ("entries", "per_request", "entry_starts"):
+            assert torch.equal(getattr(kernel, name), getattr(python, name)), name
         # The hand-written meaning of each row, request by request.
-        columns = kernel.t().tolist()
+        columns = kernel.entries.t().tolist()
+        first = 0
         for b in range(batch):
             a = int(result.num_accepted[b])
             path = [0] + result.accepted_nodes[b, :a].tolist()
             mine, columns = columns[: a + 1], columns[a + 1 :]
             next_ids = [int(tokens[b, j]) for j in path[1:]] + [int(result.bonus_tokens[b])]
             assert mine == [[int(slots[b, j]), int(slots[b, i]), int(prefix[b]) + i, b * n + j, next_ids[i]] for i, j in enumerate(path)]
-        assert columns == []
+            assert kernel.per_request[:, b].tolist() == [a + 1, int(prefix[b]) + a + 1, first + a]
+            assert int(kernel.entry_starts[b]) == first
+            first += a + 1
+        assert columns == [] and int(kernel.entry_starts[batch]) == first
     bad = VerifyResult.of(torch.tensor([[7]]), torch.tensor([1]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="accepted node 7 outside"):
         bad.commit_table(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))

@@ -34,6 +34,7 @@ along the hidden dimension, at every token (EAGLE-3 reads three of them).
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -48,6 +49,17 @@ def long_tensor(values: list[int]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.long)
     return torch.frombuffer(array.array("q", values), dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=256)
+def _same_length_offsets(batch_size: int, new_tokens: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(extend_seq_lens, extend_start_loc, token_starts) of ``batch_size`` requests of ``new_tokens``
+    new tokens each; made once per shape (a speculative round's verify asks for the same ones every
+    round) and only ever read. Made outside inference mode so any later caller may read them."""
+    with torch.inference_mode(False):
+        total = batch_size * new_tokens
+        starts = torch.arange(0, total + 1, new_tokens, device=device)
+        return torch.full((batch_size,), new_tokens, dtype=torch.long, device=device), starts[:-1], starts
 
 
 class ForwardMode(Enum):
@@ -100,6 +112,12 @@ class ForwardBatch:
             )
         return self._memo["token_to_request"]
 
+    def token_starts(self) -> torch.Tensor:
+        """[B + 1]: offset of each request's first new token, then the token count."""
+        if "token_starts" not in self._memo:
+            self._memo["token_starts"] = torch.cat([self.extend_start_loc, self.extend_start_loc.new_tensor([self.num_tokens])])
+        return self._memo["token_starts"]
+
     def new_tokens_per_request(self) -> int | None:
         """n when every request has the same number n of new tokens (decode: 1; verify and draft
         tree steps: the tree or frontier size), else None."""
@@ -142,15 +160,16 @@ class ForwardBatch:
         greedy_ids_only: bool = False,
     ) -> "ForwardBatch":
         """``build`` for ``new_tokens`` new tokens per request whose rows and prefix lengths are
-        already tensors (a speculative round's verify): the per-request tensors come from three
-        tensor ops instead of a host copy and its unbinding, the same values."""
+        already tensors (a speculative round's verify): the same values from one tensor op (the
+        lengths and offsets, and the attention's token_starts, are shared per shape) instead of a
+        host copy and its unbinding."""
         batch_size = len(prefix_lens_cpu)
         total = batch_size * new_tokens
         if new_tokens <= 0 or req_pool_indices.shape != (batch_size,) or prefix_lens.shape != (batch_size,):
             raise ValueError("same_length: one row index and prefix length per request, and at least one new token")
         if input_ids.shape[0] != total or out_cache_loc.shape[0] != total or positions.shape[0] != total:
             raise ValueError(f"flat buffer holds {input_ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
-        device = input_ids.device
+        extend_seq_lens, extend_start_loc, token_starts = _same_length_offsets(batch_size, new_tokens, str(input_ids.device))
         return cls(
             mode=mode,
             input_ids=input_ids,
@@ -158,9 +177,9 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc,
             req_pool_indices=req_pool_indices,
             seq_lens=prefix_lens + new_tokens,
-            extend_seq_lens=torch.full((batch_size,), new_tokens, dtype=torch.long, device=device),
+            extend_seq_lens=extend_seq_lens,
             extend_prefix_lens=prefix_lens,
-            extend_start_loc=torch.arange(0, total, new_tokens, device=device),
+            extend_start_loc=extend_start_loc,
             logits_indices=logits_indices,
             seq_lens_cpu=[p + new_tokens for p in prefix_lens_cpu],
             extend_seq_lens_cpu=[new_tokens] * batch_size,
@@ -168,6 +187,50 @@ class ForwardBatch:
             capture_layers=capture_layers,
             custom_mask=custom_mask,
             greedy_ids_only=greedy_ids_only,
+            _memo={"token_starts": token_starts},
+        )
+
+    @classmethod
+    def ragged(
+        cls,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        token_starts: torch.Tensor,
+        logits_indices: torch.Tensor,
+        prefix_lens_cpu: list[int],
+        extend_seq_lens_cpu: list[int],
+        mode: ForwardMode,
+    ) -> "ForwardBatch":
+        """``build`` where a kernel already made the per-request tensors (a speculative round's
+        draft extend, from ``commit_table``): ``token_starts`` [B + 1] is each request's first new
+        token, then the token count; the host lists hold the same lengths as the tensors."""
+        batch_size = len(prefix_lens_cpu)
+        total = sum(extend_seq_lens_cpu)
+        if len(extend_seq_lens_cpu) != batch_size or any(t.shape != (batch_size,) for t in (req_pool_indices, prefix_lens)):
+            raise ValueError("ragged: one row index, prefix length and new-token count per request")
+        if input_ids.shape[0] != total or out_cache_loc.shape[0] != total or positions.shape[0] != total:
+            raise ValueError(f"flat buffer holds {input_ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
+        return cls(
+            mode=mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            extend_seq_lens=extend_seq_lens,
+            extend_prefix_lens=prefix_lens,
+            extend_start_loc=token_starts[:-1],
+            logits_indices=logits_indices,
+            seq_lens_cpu=[p + n for p, n in zip(prefix_lens_cpu, extend_seq_lens_cpu)],
+            extend_seq_lens_cpu=extend_seq_lens_cpu,
+            extend_prefix_lens_cpu=list(prefix_lens_cpu),
+            _memo={"token_starts": token_starts},
         )
 
     @classmethod
@@ -205,9 +268,13 @@ class ForwardBatch:
         vectors = [*extend_seq_lens, *extend_prefix_lens, *start_loc_cpu, *seq_lens_cpu, *req_pool_indices]
         if logits_indices is None:  # each request's last token
             vectors += [s + n - 1 for s, n in zip(start_loc_cpu, extend_seq_lens)]
-        # The per-request vectors in one host-to-tensor copy: rows of a [5 or 6, B] tensor.
-        per_request = long_tensor(vectors).view(len(vectors) // max(1, len(extend_seq_lens)), len(extend_seq_lens)).to(device)
-        ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, *last_tokens = per_request.unbind(0)
+        # The per-request vectors in one host-to-tensor copy: rows of a [5 or 6, B] tensor, then
+        # the attention's token_starts (start_loc and the total).
+        host = long_tensor(vectors + start_loc_cpu + [total]).to(device)
+        num_vectors = len(vectors) // max(1, len(extend_seq_lens))
+        ext_lens, prefix_lens, start_loc, seq_lens, pool_indices, *last_tokens = host[: len(vectors)].view(
+            num_vectors, len(extend_seq_lens)
+        ).unbind(0)
         if positions is None:
             positions = long_tensor(
                 list(itertools.chain.from_iterable(range(p, p + n) for p, n in zip(extend_prefix_lens, extend_seq_lens)))
@@ -234,4 +301,5 @@ class ForwardBatch:
             capture_layers=capture_layers,
             custom_mask=custom_mask,
             greedy_ids_only=greedy_ids_only,
+            _memo={"token_starts": host[len(vectors) :]},
         )

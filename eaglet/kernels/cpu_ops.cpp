@@ -562,8 +562,11 @@ at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& pa
 // of a [5, T] int64 table: the slot that holds the path node's entries (slots[b, node]), the slot
 // they belong in (slots[b, i] for the path's i-th entry), its position (prefix[b] + i), its row of
 // the verify features (b * N + node), and the draft extend's id there (the path's next token, the
-// bonus token after the last).
-at::Tensor commit_table(const at::Tensor& verify_table, const at::Tensor& tokens, const at::Tensor& slots, const at::Tensor& prefix) {
+// bonus token after the last). Then the draft extend's per-request vectors: [3, B] (its new tokens
+// num_accepted + 1, its sequence lengths prefix + num_accepted + 1, each request's last entry) and
+// [B + 1] (each request's first entry, then T).
+std::vector<at::Tensor> commit_table(const at::Tensor& verify_table, const at::Tensor& tokens, const at::Tensor& slots,
+                                     const at::Tensor& prefix) {
   for (const at::Tensor* x : {&verify_table, &tokens, &slots, &prefix}) {
     TORCH_CHECK(x->scalar_type() == at::kLong, "commit_table: int64 tensors");
   }
@@ -589,11 +592,18 @@ at::Tensor commit_table(const at::Tensor& verify_table, const at::Tensor& tokens
     total += a + 1;
   }
   at::Tensor out = at::empty({5, total}, tokens.options());
+  at::Tensor per_request = at::empty({3, batch}, tokens.options()), starts = at::empty({batch + 1}, tokens.options());
   int64_t* src = out.data_ptr<int64_t>();
   int64_t *dst = src + total, *positions = dst + total, *feature_rows = positions + total, *ids = feature_rows + total;
+  int64_t *extend_lens = per_request.data_ptr<int64_t>(), *seq_lens = extend_lens + batch, *last = seq_lens + batch;
+  int64_t* entry_starts = starts.data_ptr<int64_t>();
   int64_t e = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t* row = vp + b * width;  // num_accepted, bonus, nodes
+    entry_starts[b] = e;
+    extend_lens[b] = row[0] + 1;
+    seq_lens[b] = pp[b] + row[0] + 1;
+    last[b] = e + row[0];
     for (int64_t i = 0; i <= row[0]; ++i, ++e) {
       const int64_t node = i == 0 ? 0 : row[1 + i];
       src[e] = sp[b * scratch + node];
@@ -603,7 +613,8 @@ at::Tensor commit_table(const at::Tensor& verify_table, const at::Tensor& tokens
       ids[e] = i < row[0] ? tp[b * n + row[2 + i]] : row[1];
     }
   }
-  return out;
+  entry_starts[batch] = total;
+  return {out, per_request, starts};
 }
 
 // EAGLE-2 tree selection (tree.py's CandidateRecorder.build_tree). Per request, of its M candidates
@@ -2517,7 +2528,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("topk_logprobs(Tensor logits, int k, Tensor? offsets=None) -> Tensor[]");
   m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
   m.def("verify_tree_greedy_ids(Tensor tokens, Tensor parents, Tensor target_ids) -> Tensor");
-  m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor");
+  m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor[]");
   m.def("select_draft_tree(Tensor tokens, Tensor scores, Tensor parents, Tensor depths, Tensor roots, int num_nodes) -> Tensor[]");
   m.def("tree_attention_mask(Tensor parents, Tensor prefix, int num_keys) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");

@@ -201,12 +201,5 @@ class FusedCPUMLABackend(TorchNativeMLABackend):
         """mla_absorbed_attention's (slots [B, S], kv_lens, token_starts, custom_mask)."""
         max_len = max(batch.seq_lens_cpu)
         slots = self._slots(batch, max_len).view(batch.batch_size, max_len)
-        return slots, batch.seq_lens, self._token_starts(batch), batch.custom_mask
+        return slots, batch.seq_lens, batch.token_starts(), batch.custom_mask
 
-    @staticmethod
-    def _token_starts(batch: ForwardBatch) -> torch.Tensor:
-        """[B + 1]: offset of each request's first new token, then the token count."""
-        if "token_starts" not in batch._memo:
-            total = batch.extend_start_loc.new_tensor([batch.num_tokens])
-            batch._memo["token_starts"] = torch.cat([batch.extend_start_loc, total])
-        return batch._memo["token_starts"]

@@ -498,35 +498,41 @@ class EagleWorker:
         is_chain: bool,
     ) -> RoundResult:
         """Keeps each request's accepted path, then runs the draft extend over root + path."""
-        table = result.commit_table(tree.tokens, round_rows.slots, round_rows.prefix_t)
-        src_slots, dst_slots, positions, feature_rows, ids = table.unbind(0)
-        accepted = result.num_accepted.tolist()
+        commit = result.commit_table(tree.tokens, round_rows.slots, round_rows.prefix_t)
+        src_slots, dst_slots, positions, feature_rows, ids = commit.entries.unbind(0)
+        path_lens_t, seq_lens, last_entries = commit.per_request.unbind(0)
+        path_lens = path_lens_t.tolist()  # per request: num_accepted + 1
         ids_list = ids.tolist()
         # Per request: the accepted tokens then the bonus (the path's tokens rotated by one).
-        starts = list(itertools.accumulate((a + 1 for a in accepted), initial=0))
-        new_tokens = [ids_list[start : start + a + 1] for start, a in zip(starts, accepted)]
+        starts = itertools.accumulate(path_lens, initial=0)
+        new_tokens = [ids_list[start : start + n] for start, n in zip(starts, path_lens)]
         if not is_chain:  # the target's entries of accepted nodes move to row indices n+1 .. n+a
             moved = src_slots != dst_slots
             if moved.any():
                 self.cache.target.copy_slots(src_slots[moved], dst_slots[moved])
         self.cache.truncate_rows(
-            round_rows.rows, [p + 1 + a for p, a in zip(round_rows.prefix, accepted)], reserve=self.spec.scratch_len
+            round_rows.rows, [p + n for p, n in zip(round_rows.prefix, path_lens)], reserve=self.spec.scratch_len
         )
-        for req, a in zip(requests, accepted):
-            req.num_cached_tokens += 1 + a
+        for req, n in zip(requests, path_lens):
+            req.num_cached_tokens += n
         if not round_rows.greedy_only and any(r.sampling_params.logprobs is not None for r in requests):
             # Logprobs of each emitted token come from the target's logits at its parent node.
             path = torch.cat([torch.zeros_like(result.num_accepted)[:, None], result.accepted_nodes.clamp(min=0)], dim=1)
             parent_logits = raw_logits.gather(1, path[:, :, None].expand(-1, -1, raw_logits.shape[-1]))
             record_logprobs(requests, parent_logits, result.emitted_tokens(tree.tokens))
-        batch = ForwardBatch.build(
+        batch = ForwardBatch.ragged(
             input_ids=ids,
-            req_pool_indices=round_rows.rows,
-            extend_prefix_lens=round_rows.prefix,
-            extend_seq_lens=[a + 1 for a in accepted],
-            out_cache_loc=dst_slots,
             positions=positions,
+            out_cache_loc=dst_slots,
+            req_pool_indices=round_rows.rows_t,
+            prefix_lens=round_rows.prefix_t,
+            extend_seq_lens=path_lens_t,
+            seq_lens=seq_lens,
+            token_starts=commit.entry_starts,
+            logits_indices=last_entries,
+            prefix_lens_cpu=round_rows.prefix,
+            extend_seq_lens_cpu=path_lens,
             mode=ForwardMode.EXTEND,
         )
         self._extend_draft(batch, features.index_select(0, feature_rows), round_rows.rows_t)
-        return RoundResult(new_tokens, accepted, tree.tokens.shape[1] - 1)
+        return RoundResult(new_tokens, [n - 1 for n in path_lens], tree.tokens.shape[1] - 1)

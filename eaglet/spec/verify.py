@@ -39,7 +39,7 @@ import torch
 from eaglet import kernels
 from eaglet.layers.sampler import greedy_tokens
 
-__all__ = ["VerifyResult", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_ids", "verify_sampling"]
+__all__ = ["VerifyResult", "CommitTable", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_ids", "verify_sampling"]
 
 
 @dataclass
@@ -90,25 +90,45 @@ class VerifyResult:
         table[rows, : other.table.shape[1]] = other.table
         return VerifyResult(table)
 
-    def commit_table(self, tokens: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """[5, T] int64, for requests whose tree nodes sit at ``slots`` [B, S] (node j at slots[b, j])
-        after a prefix of ``prefix`` [B] tokens: per entry i of each request's path (the root, then
-        its accepted nodes; T = sum(num_accepted + 1), request after request), the slot that holds
-        the node's entries, the slot they belong in (slots[b, i]), the position prefix[b] + i, the
-        node's row of the [B * N] verify features, and the path's next token (the bonus after the
-        last), which is the draft extend's input id there."""
+    def commit_table(self, tokens: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor) -> "CommitTable":
+        """The round's commit for requests whose tree nodes sit at ``slots`` [B, S] (node j at
+        slots[b, j]) after a prefix of ``prefix`` [B] tokens (see ``CommitTable``)."""
         if tokens.device.type == "cpu" and kernels.loaded():
-            return torch.ops.eaglet.commit_table(self.table, tokens.long(), slots, prefix)
+            return CommitTable(*torch.ops.eaglet.commit_table(self.table, tokens.long(), slots, prefix))
         n = tokens.shape[1]
         tokens_l, slots_l, prefix_l = tokens.tolist(), slots.tolist(), prefix.tolist()
         columns: list[list[int]] = []
+        extend_lens, seq_lens, last, starts = [], [], [], [0]
         for b, (a, bonus, *nodes) in enumerate(self.table.tolist()):
             path = [0] + nodes[:a]
             next_ids = [tokens_l[b][node] for node in path[1:]] + [bonus]
             columns.extend(
                 [slots_l[b][node], slots_l[b][i], prefix_l[b] + i, b * n + node, next_ids[i]] for i, node in enumerate(path)
             )
-        return torch.tensor(columns, dtype=torch.long).view(-1, 5).t().contiguous()
+            extend_lens.append(a + 1)
+            seq_lens.append(prefix_l[b] + a + 1)
+            last.append(starts[-1] + a)
+            starts.append(starts[-1] + a + 1)
+        return CommitTable(
+            entries=torch.tensor(columns, dtype=torch.long).view(-1, 5).t().contiguous(),
+            per_request=torch.tensor([extend_lens, seq_lens, last], dtype=torch.long).view(3, -1),
+            entry_starts=torch.tensor(starts, dtype=torch.long),
+        )
+
+
+@dataclass
+class CommitTable:
+    """What a round commits, per request's path (the root, then its accepted nodes; T entries in
+    all, request after request), from one kernel call: the entries, and the draft extend's
+    per-request vectors over them."""
+
+    # [5, T] per entry: the slot that holds the node's entries, the slot they belong in (slots[b, i]
+    # for the path's i-th entry), the position prefix[b] + i, the node's row of the [B * N] verify
+    # features, and the path's next token (the bonus after the last): the draft extend's id there.
+    entries: torch.Tensor
+    # [3, B]: num_accepted + 1 (the path's entries), prefix + num_accepted + 1, each request's last entry.
+    per_request: torch.Tensor
+    entry_starts: torch.Tensor  # [B + 1]: each request's first entry, then T
 
 
 @dataclass
