@@ -64,7 +64,14 @@ def assert_table_covers_blocks(cache: KVCacheManager) -> None:
         assert cache.req_to_token[row].tolist() == expected + [0] * (width - len(expected))
 
 
-def test_the_table_is_written_a_block_at_a_time():
+@pytest.mark.parametrize("use_kernels", [
+    pytest.param(True, marks=pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")), False,
+], ids=["kernel", "python"])
+def test_the_table_is_written_a_block_at_a_time(use_kernels, monkeypatch):
+    """New blocks' table entries (write_block_entries where the kernels are loaded, else entries
+    through _write_table), against the blocks the rows hold, over random growth and cuts."""
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
     cache = KVCacheManager(
         num_layers=1, kv_cache_dim=4, num_blocks=30, block_size=4, max_requests=3, max_context_len=18, dtype=torch.float32
     )
@@ -96,6 +103,11 @@ def test_the_table_is_written_a_block_at_a_time():
     adopted = cache.allocator.allocate(2)  # as a prefix-cache hit hands them over
     cache.adopt_blocks(cache.alloc_row(), adopted, 8)
     assert_table_covers_blocks(cache)
+    if use_kernels:  # a block outside the table: a precise error, nothing written
+        before = cache.req_to_token.clone()
+        with pytest.raises(RuntimeError, match="write_block_entries: block 3 at index 5 of row 1 outside the table"):
+            torch.ops.eaglet.write_block_entries(cache.req_to_token, torch.tensor([[0, 0, 2], [1, 5, 3]]), cache.block_size)
+        assert torch.equal(before, cache.req_to_token)
 
 
 def _three_row_cache() -> KVCacheManager:

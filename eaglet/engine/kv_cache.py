@@ -24,6 +24,7 @@ from collections import deque
 
 import torch
 
+from eaglet import kernels
 from eaglet.engine.forward_batch import long_tensor
 
 from eaglet.errors import EagletError
@@ -143,10 +144,9 @@ class KVCacheManager:
         if self.blocks_needed(num_tokens) != len(blocks):
             raise ValueError(f"{len(blocks)} blocks cannot hold exactly {num_tokens} tokens")
         self.row_blocks[row] = list(blocks)
-        table_index: list[int] = []
-        table_slots: list[int] = []
-        self._block_entries(row, 0, table_index, table_slots)
-        self._write_table(table_index, table_slots)
+        new_blocks: list[int] = []
+        self._new_blocks(row, 0, new_blocks)
+        self._write_blocks(new_blocks)
         self.grow(row, num_tokens)
 
     def grow(self, row: int, new_len: int) -> torch.Tensor:
@@ -176,8 +176,7 @@ class KVCacheManager:
         longest = max(new_lens, default=0)
         if longest > self.max_context_len:
             raise OutOfCacheBlocks(f"sequence of {longest} tokens exceeds the table width {self.max_context_len}")
-        table_index: list[int] = []
-        table_slots: list[int] = []
+        new_blocks: list[int] = []
         size = self.block_size
         try:
             for row, new in zip(rows, new_lens):
@@ -186,9 +185,9 @@ class KVCacheManager:
                 if missing > 0:
                     first = len(blocks)
                     blocks.extend(self.allocator.allocate(missing))
-                    self._block_entries(row, first, table_index, table_slots)
+                    self._new_blocks(row, first, new_blocks)
         finally:  # out of blocks part way: the rows keep what they got, in the table, at their old lengths
-            self._write_table(table_index, table_slots)
+            self._write_blocks(new_blocks)
         for row, new in zip(rows, new_lens):
             self.row_len[row] = new
 
@@ -244,15 +243,29 @@ class KVCacheManager:
         self.row_len.pop(row)
         self._free_rows.append(row)
 
-    def _block_entries(self, row: int, first: int, table_index: list[int], table_slots: list[int]) -> None:
-        """Appends the table entries of the row's blocks from block index ``first`` on."""
+    def _new_blocks(self, row: int, first: int, new_blocks: list[int]) -> None:
+        """Appends (row, block index, block) of the row's blocks from block index ``first`` on."""
+        for block_index, block in enumerate(self.row_blocks[row][first:], start=first):
+            new_blocks += (row, block_index, block)
+
+    def _write_blocks(self, new_blocks: list[int]) -> None:
+        """Writes the table entries of ``_new_blocks``' blocks: in one kernel call where the CPU
+        kernels are loaded (a speculative round at batch 16 grows a row's blocks most rounds),
+        else as entries through ``_write_table``."""
+        if not new_blocks:
+            return
+        if kernels.loaded() and self.req_to_token.device.type == "cpu":
+            torch.ops.eaglet.write_block_entries(self.req_to_token, long_tensor(new_blocks).view(-1, 3), self.block_size)
+            return
         size, width = self.block_size, self.max_context_len
-        for block_index in range(first, len(self.row_blocks[row])):
+        table_index: list[int] = []
+        table_slots: list[int] = []
+        for row, block_index, block in zip(new_blocks[::3], new_blocks[1::3], new_blocks[2::3]):
             start = block_index * size
             count = min(size, width - start)  # the table may end inside the last block
             table_index.extend(range(row * width + start, row * width + start + count))
-            base = self.row_blocks[row][block_index] * size
-            table_slots.extend(range(base, base + count))
+            table_slots.extend(range(block * size, block * size + count))
+        self._write_table(table_index, table_slots)
 
     def _write_table(self, table_index: list[int], values: list[int]) -> None:
         """Writes table entries (flat indices) in one host-to-tensor copy and one scatter."""

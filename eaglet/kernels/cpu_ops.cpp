@@ -556,6 +556,31 @@ at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& pa
                      [&](int64_t b, int64_t node) { return ip[b * n + node]; });
 }
 
+// KVCacheManager's table entries of newly allocated cache blocks: per row of `blocks` [n, 3]
+// (a request row, the block's index in that row, the cache block), the row's entries of that
+// block's positions get the block's slots (block * block_size + j), up to the table's width.
+void write_block_entries(at::Tensor req_to_token, const at::Tensor& blocks, int64_t block_size) {
+  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.is_contiguous() && req_to_token.scalar_type() == at::kLong,
+              "write_block_entries: a contiguous int64 req_to_token [R, W]");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == 3 && blocks.scalar_type() == at::kLong && block_size >= 1,
+              "write_block_entries: int64 blocks [n, 3] (row, block index, block) and block_size >= 1");
+  const int64_t rows = req_to_token.size(0), width = req_to_token.size(1), n = blocks.size(0);
+  const at::Tensor blocks_c = blocks.contiguous();
+  const int64_t* entry = blocks_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = entry[3 * i], index = entry[3 * i + 1], block = entry[3 * i + 2];
+    TORCH_CHECK(row >= 0 && row < rows && index >= 0 && index * block_size < width && block >= 0,
+                "write_block_entries: block ", block, " at index ", index, " of row ", row, " outside the table");
+  }
+  int64_t* table = req_to_token.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = entry[3 * i], start = entry[3 * i + 1] * block_size, block = entry[3 * i + 2];
+    const int64_t count = std::min(block_size, width - start);
+    int64_t* out = table + row * width + start;
+    for (int64_t j = 0; j < count; ++j) out[j] = block * block_size + j;
+  }
+}
+
 // What a speculative round commits (eagle_worker._commit), from a verification's [B, D + 2] table
 // (per request: num_accepted, bonus token, accepted nodes), for requests whose path is the root
 // then their accepted nodes: T = sum(num_accepted + 1) entries, request after request, as the rows
@@ -2529,6 +2554,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("verify_tree_greedy(Tensor tokens, Tensor parents, Tensor logits) -> Tensor");
   m.def("verify_tree_greedy_ids(Tensor tokens, Tensor parents, Tensor target_ids) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor[]");
+  m.def("write_block_entries(Tensor(a!) req_to_token, Tensor blocks, int block_size) -> ()");
   m.def("select_draft_tree(Tensor tokens, Tensor scores, Tensor parents, Tensor depths, Tensor roots, int num_nodes) -> Tensor[]");
   m.def("tree_attention_mask(Tensor parents, Tensor prefix, int num_keys) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
@@ -2549,6 +2575,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("verify_tree_greedy", verify_tree_greedy);
   m.impl("verify_tree_greedy_ids", verify_tree_greedy_ids);
   m.impl("commit_table", commit_table);
+  m.impl("write_block_entries", write_block_entries);
   m.impl("select_draft_tree", select_draft_tree);
   m.impl("tree_attention_mask", tree_attention_mask);
   m.impl("noaux_route", noaux_route);

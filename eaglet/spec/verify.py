@@ -42,6 +42,11 @@ from eaglet.layers.sampler import greedy_tokens
 __all__ = ["VerifyResult", "CommitTable", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_ids", "verify_sampling"]
 
 
+def _long(t: torch.Tensor) -> torch.Tensor:
+    """``t.long()`` without the op call where it is int64 already (the kernels' inputs in a round are)."""
+    return t if t.dtype == torch.long else t.long()
+
+
 @dataclass
 class VerifyResult:
     """Per request: how many draft nodes it accepts, the token after them and the nodes, as the
@@ -94,7 +99,7 @@ class VerifyResult:
         """The round's commit for requests whose tree nodes sit at ``slots`` [B, S] (node j at
         slots[b, j]) after a prefix of ``prefix`` [B] tokens (see ``CommitTable``)."""
         if tokens.device.type == "cpu" and kernels.loaded():
-            return CommitTable(*torch.ops.eaglet.commit_table(self.table, tokens.long(), slots, prefix))
+            return CommitTable(*torch.ops.eaglet.commit_table(self.table, _long(tokens), slots, prefix))
         n = tokens.shape[1]
         tokens_l, slots_l, prefix_l = tokens.tolist(), slots.tolist(), prefix.tolist()
         columns: list[list[int]] = []
@@ -234,7 +239,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     call where the CPU kernels are loaded (it reduces only the logits of nodes on matching paths,
     so a chain's only up to its first rejection; bad trees raise RuntimeError there, ValueError here)."""
     if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
-        return VerifyResult(torch.ops.eaglet.verify_tree_greedy(tokens.long(), parents.long(), logits))
+        return VerifyResult(torch.ops.eaglet.verify_tree_greedy(_long(tokens), _long(parents), logits))
     _check_inputs(tokens, parents, logits, "logits")
     return _verify_greedy_picks(tokens.long(), parents.long(), greedy_tokens(logits))
 
@@ -243,7 +248,7 @@ def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, target_ids: t
     """``verify_greedy`` given the target's greedy token after every node, [B, N] (a forward that
     returned ``greedy_ids``), instead of its logits."""
     if kernels.loaded() and target_ids.device.type == "cpu":
-        return VerifyResult(torch.ops.eaglet.verify_tree_greedy_ids(tokens.long(), parents.long(), target_ids.long()))
+        return VerifyResult(torch.ops.eaglet.verify_tree_greedy_ids(_long(tokens), _long(parents), _long(target_ids)))
     if tokens.shape != parents.shape or tokens.shape != target_ids.shape or tokens.dim() != 2:
         raise ValueError(f"tokens, parents and target_ids must all be [B, N], got {tuple(tokens.shape)}, "
                          f"{tuple(parents.shape)}, {tuple(target_ids.shape)}")
