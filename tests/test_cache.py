@@ -367,3 +367,29 @@ def test_ragged_batch_equals_build():
             seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
             prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, **common,
         )
+
+
+@pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copy_slots_kernel_equals_indexing(dtype):
+    """copy_cache_slots against kv[:, dst] = kv[:, src]: sources read before any write (a slot that
+    is both a source and a destination), entries in place skipped; bad slots raise, nothing written."""
+    from eaglet.engine.kv_cache import LatentKVPool
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        pool = LatentKVPool(3, 40, 6, dtype, "cpu")
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
+        n = int(torch.randint(1, 10, (1,), generator=g))
+        perm = torch.randperm(40, generator=g)
+        # dst overlaps src's second half (slots that are read and written), then one entry in place.
+        src = torch.cat([perm[:n], perm[2 * n : 2 * n + 1]])
+        dst = torch.cat([perm[n // 2 : n // 2 + n], perm[2 * n : 2 * n + 1]])
+        expected = pool.kv.clone()
+        expected[:, dst] = expected[:, src]
+        pool.copy_slots(src, dst)
+        assert torch.equal(pool.kv, expected)
+    before = pool.kv.clone()
+    with pytest.raises(RuntimeError, match="copy_cache_slots: slot 40 outside 0 .. 39"):
+        pool.copy_slots(torch.tensor([1, 2]), torch.tensor([3, 40]))
+    assert torch.equal(pool.kv, before)

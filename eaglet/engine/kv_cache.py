@@ -83,7 +83,12 @@ class LatentKVPool:
         buf[out_cache_loc, latent_dim:] = k_pe.to(buf.dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.kv[:, dst] = self.kv[:, src]
+        """Every layer's entries of slots ``src`` go to slots ``dst`` (one kernel call where the CPU
+        kernels are loaded: it skips entries already in place)."""
+        if kernels.loaded() and self.kv.device.type == "cpu":
+            torch.ops.eaglet.copy_cache_slots(self.kv, src, dst)
+        else:
+            self.kv[:, dst] = self.kv[:, src]
 
 
 class KVCacheManager:

@@ -556,6 +556,33 @@ at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& pa
                      [&](int64_t b, int64_t node) { return ip[b * n + node]; });
 }
 
+// LatentKVPool.copy_slots: every layer's entries of slots src[i] go to slots dst[i] (an accepted
+// tree path's nodes moving to their row indices), as kv[:, dst] = kv[:, src]: each layer's sources
+// are read before any is written. Entries already in place (src[i] == dst[i]) are skipped.
+void copy_cache_slots(at::Tensor kv, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(kv.dim() == 3 && kv.is_contiguous(), "copy_cache_slots: a contiguous cache [layers, slots, dim]");
+  TORCH_CHECK(src.dim() == 1 && src.sizes() == dst.sizes() && src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong,
+              "copy_cache_slots: int64 src and dst [n]");
+  const int64_t layers = kv.size(0), num_slots = kv.size(1), n = src.size(0);
+  const at::Tensor src_c = src.contiguous(), dst_c = dst.contiguous();
+  const int64_t *sp = src_c.data_ptr<int64_t>(), *dp = dst_c.data_ptr<int64_t>();
+  std::vector<int64_t> moves;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots && dp[i] >= 0 && dp[i] < num_slots, "copy_cache_slots: slot ",
+                sp[i] < 0 || sp[i] >= num_slots ? sp[i] : dp[i], " outside 0 .. ", num_slots - 1);
+    if (sp[i] != dp[i]) moves.push_back(i);
+  }
+  if (moves.empty()) return;
+  const int64_t row_bytes = kv.size(2) * kv.element_size(), count = static_cast<int64_t>(moves.size());
+  std::vector<char> staged(count * row_bytes);
+  char* base = static_cast<char*>(kv.data_ptr());
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    char* buf = base + layer * num_slots * row_bytes;
+    for (int64_t m = 0; m < count; ++m) std::memcpy(staged.data() + m * row_bytes, buf + sp[moves[m]] * row_bytes, row_bytes);
+    for (int64_t m = 0; m < count; ++m) std::memcpy(buf + dp[moves[m]] * row_bytes, staged.data() + m * row_bytes, row_bytes);
+  }
+}
+
 // KVCacheManager's table entries of newly allocated cache blocks: per row of `blocks` [n, 3]
 // (a request row, the block's index in that row, the cache block), the row's entries of that
 // block's positions get the block's slots (block * block_size + j), up to the table's width.
@@ -2555,6 +2582,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("verify_tree_greedy_ids(Tensor tokens, Tensor parents, Tensor target_ids) -> Tensor");
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor[]");
   m.def("write_block_entries(Tensor(a!) req_to_token, Tensor blocks, int block_size) -> ()");
+  m.def("copy_cache_slots(Tensor(a!) kv, Tensor src, Tensor dst) -> ()");
   m.def("select_draft_tree(Tensor tokens, Tensor scores, Tensor parents, Tensor depths, Tensor roots, int num_nodes) -> Tensor[]");
   m.def("tree_attention_mask(Tensor parents, Tensor prefix, int num_keys) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
@@ -2576,6 +2604,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("verify_tree_greedy_ids", verify_tree_greedy_ids);
   m.impl("commit_table", commit_table);
   m.impl("write_block_entries", write_block_entries);
+  m.impl("copy_cache_slots", copy_cache_slots);
   m.impl("select_draft_tree", select_draft_tree);
   m.impl("tree_attention_mask", tree_attention_mask);
   m.impl("noaux_route", noaux_route);

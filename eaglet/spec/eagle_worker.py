@@ -507,9 +507,7 @@ class EagleWorker:
         starts = itertools.accumulate(path_lens, initial=0)
         new_tokens = [ids_list[start : start + n] for start, n in zip(starts, path_lens)]
         if not is_chain:  # the target's entries of accepted nodes move to row indices n+1 .. n+a
-            moved = src_slots != dst_slots
-            if moved.any():
-                self.cache.target.copy_slots(src_slots[moved], dst_slots[moved])
+            self.cache.target.copy_slots(src_slots, dst_slots)
         self.cache.truncate_rows(
             round_rows.rows, [p + n for p, n in zip(round_rows.prefix, path_lens)], reserve=self.spec.scratch_len
         )
