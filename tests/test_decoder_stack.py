@@ -315,18 +315,21 @@ def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
     draft, midlayer, states = worker.draft, worker.draft.fused_midlayer, worker.states
     assert midlayer is not None
     one_call = midlayer.extend_proposals
-    extends = []
+    extends, gathered = [], []
 
-    def both_ways(d, batch, backend, features, k, table, rows):
+    def both_ways(d, batch, backend, features, k, table, rows, feature_rows=None):
         assert table is states and k == topk
         kv_before = worker.pool.kv.clone()
         states_before = [t.clone() for t in (states.topk_tokens, states.topk_logprobs, states.hidden)]
-        fused = one_call(d, batch, backend, features, k, table, rows)
+        fused = one_call(d, batch, backend, features, k, table, rows, feature_rows)
         extends.append((fused, max(batch.extend_seq_lens_cpu)))
+        gathered.append(feature_rows is not None)
         if not fused:
             return False
         fused_kv = worker.pool.kv.clone()
         worker.pool.kv.copy_(kv_before)
+        if feature_rows is not None:  # a round's commit: the accepted nodes' rows of the verify features
+            features = features[feature_rows]
         out = draft.forward(batch, backend, features, hidden_is_target_features=True)
         assert torch.equal(fused_kv, worker.pool.kv)
         expected = [t.clone() for t in states_before]
@@ -349,6 +352,7 @@ def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
     got = [out.token_ids for out in llm.generate(prompts, params)]
     fused_lens = {n for fused, n in extends if fused}
     assert {2} <= fused_lens and max(fused_lens) > 2 and not all(fused for fused, _ in extends)  # catch-ups, rounds; not prefill
+    assert any(gathered) and not all(gathered)  # rounds' commits gather their features in the call
     plain = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True)
     assert got == [out.token_ids for out in plain.generate(prompts, params)]
 
@@ -366,10 +370,10 @@ def test_draft_extend_in_one_call_rejects_bad_inputs(tmp_path):
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="extend_proposals: int64 ids"):
             stack.extend_proposals(ids.float(), rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
-                                   2, ids, *tables, rows, ids, rows, ids, ids, None)
+                                   2, ids, *tables, rows, ids, rows, ids, ids, None, None)
         with pytest.raises(RuntimeError, match="extend_proposals: contiguous state tables"):
             stack.extend_proposals(ids, rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
-                                   3, ids, *tables, rows, ids, rows, ids, ids, None)
+                                   3, ids, *tables, rows, ids, rows, ids, ids, None, None)
 
 
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(5, 1, 6), (4, 2, 8), (3, 4, 10), (1, 3, 3)])

@@ -2223,13 +2223,16 @@ struct DecoderStack : torch::CustomClassHolder {
   // float32 logits), d2t applied. The results go to row state_rows[r] of the worker's state
   // tables: state_tokens [rows, >= k] (first k columns), state_logprobs [rows, >= k] float32
   // (k > 1 only) and state_hidden [rows, H] (the hidden fed to the next step). rope_table
-  // [> max(positions), 2, R / 2].
+  // [> max(positions), 2, R / 2]. With feature_rows [T], token t reads features[feature_rows[t]]
+  // (a round's commit: the verify's features of each accepted path's nodes).
   void extend_proposals(at::Tensor ids, at::Tensor features, at::Tensor fc, int64_t fc_out, at::Tensor embed,
                         at::Tensor rope_table, at::Tensor positions, at::Tensor norm_weight, double norm_eps,
                         at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
                         bool norm_output, at::Tensor logits_rows, int64_t k, at::Tensor state_rows, at::Tensor state_tokens,
                         at::Tensor state_logprobs, at::Tensor state_hidden, at::Tensor kv, at::Tensor out_cache_loc,
-                        at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts, c10::optional<at::Tensor> custom_mask) {
+                        at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts, c10::optional<at::Tensor> custom_mask,
+                        c10::optional<at::Tensor> feature_rows) {
+    if (feature_rows) features = features.index_select(0, *feature_rows);
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && positions.sizes() == ids.sizes() &&
                     positions.scalar_type() == at::kLong && logits_rows.dim() == 1 && logits_rows.scalar_type() == at::kLong &&
                     d2t.scalar_type() == at::kLong && state_rows.sizes() == logits_rows.sizes() &&

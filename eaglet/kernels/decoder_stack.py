@@ -183,10 +183,11 @@ class FusedMidlayer:
 
     def extend_proposals(
         self, draft: Eagle3Draft, batch: ForwardBatch, backend: AttentionBackend, features: torch.Tensor, k: int,
-        states: DraftState, rows: torch.Tensor,
+        states: DraftState, rows: torch.Tensor, feature_rows: torch.Tensor | None = None,
     ) -> bool:
-        """A draft extend over the target ``features`` in one call (``DecoderStack.extend_proposals``):
-        at each of ``batch.logits_indices`` the target ids of the draft's top ``k`` (with k > 1 their
+        """A draft extend over the target ``features`` (token t's: ``features[feature_rows[t]]``
+        where given) in one call (``DecoderStack.extend_proposals``): at each of
+        ``batch.logits_indices`` the target ids of the draft's top ``k`` (with k > 1 their
         log-probabilities too) and the hidden fed to the next step, written to ``rows`` of
         ``states``. False (nothing written) where Eagle3Draft.forward must run (image embeddings,
         fc_norm, a batch attended decompressed)."""
@@ -201,7 +202,7 @@ class FusedMidlayer:
         self.stack.extend_proposals(
             batch.input_ids, features, head.fc_tiles, head.fc_out, head.embed, table, batch.positions, head.norm_weight,
             head.norm_eps, head.lm_head_tiles, head.vocab, head.lm_head_bias, head.d2t, head.norm_output,
-            batch.logits_indices, k, rows, states.topk_tokens, states.topk_logprobs, states.hidden, *inputs,
+            batch.logits_indices, k, rows, states.topk_tokens, states.topk_logprobs, states.hidden, *inputs, feature_rows,
         )
         return True
 

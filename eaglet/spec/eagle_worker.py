@@ -166,15 +166,23 @@ class EagleWorker:
         )
         self._extend_draft(batch, features, target_batch.req_pool_indices, timed=False)
 
-    def _extend_draft(self, batch: ForwardBatch, features: torch.Tensor, rows: torch.Tensor, timed: bool = True) -> None:
-        """The draft extend over ``batch`` from the target's ``features``, and the states of the
-        requests' ``rows`` from its last token each; ``timed``: inside a round (the draft clock).
-        Where the draft runs on the kernels, one call does both."""
+    def _extend_draft(
+        self, batch: ForwardBatch, features: torch.Tensor, rows: torch.Tensor, timed: bool = True,
+        feature_rows: torch.Tensor | None = None,
+    ) -> None:
+        """The draft extend over ``batch`` from the target's ``features`` (token t's:
+        ``features[feature_rows[t]]`` where given), and the states of the requests' ``rows`` from
+        its last token each; ``timed``: inside a round (the draft clock). Where the draft runs on
+        the kernels, one call does both, gather included."""
         with self._draft_clock if timed else contextlib.nullcontext():
             fused = self.draft.fused_midlayer
             k = self.spec.eagle_topk
-            if fused is not None and fused.extend_proposals(self.draft, batch, self.draft_backend, features, k, self.states, rows):
+            if fused is not None and fused.extend_proposals(
+                self.draft, batch, self.draft_backend, features, k, self.states, rows, feature_rows
+            ):
                 return
+            if feature_rows is not None:
+                features = features.index_select(0, feature_rows)
             out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
         self._set_draft_states(rows, out.logits, out.hidden_out)
 
@@ -532,5 +540,5 @@ class EagleWorker:
             extend_seq_lens_cpu=path_lens,
             mode=ForwardMode.EXTEND,
         )
-        self._extend_draft(batch, features.index_select(0, feature_rows), round_rows.rows_t)
+        self._extend_draft(batch, features, round_rows.rows_t, feature_rows=feature_rows)
         return RoundResult(new_tokens, [n - 1 for n in path_lens], tree.tokens.shape[1] - 1)
