@@ -293,8 +293,8 @@ class EagleWorker:
         # of every row, in one host-to-tensor copy.
         batch_size = len(rows)
         host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
-        rows_t, prefix_t, roots = host[: 3 * batch_size].view(3, batch_size).unbind(0)
-        slots = self.cache.req_to_token.view(-1).index_select(0, host[3 * batch_size :]).view(batch_size, scratch)
+        rows_t, prefix_t, roots, entries_t = host.split([batch_size, batch_size, batch_size, batch_size * scratch])
+        slots = self.cache.req_to_token.view(-1).index_select(0, entries_t).view(batch_size, scratch)
         greedy_only = all(r.greedy_ids_suffice for r in requests)
         return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots, greedy_only)
 
