@@ -282,8 +282,7 @@ def test_long_tensor_equals_torch_tensor():
 
 
 def test_reserve_scratch_equals_reserve_rows():
-    """A round's one-pass reserve (rows checked, grown by the scratch, their table entries listed)
-    leaves what reserve_rows leaves; a row not at its committed length, or too long a row, raises
+    """A round's one-pass reserve (rows checked, grown by the scratch) leaves what reserve_rows leaves; a row not at its committed length, or too long a row, raises
     before anything changes."""
     reference, one_pass = _three_row_cache(), _three_row_cache()
     rows = [reference.alloc_row() for _ in range(3)]
@@ -293,8 +292,7 @@ def test_reserve_scratch_equals_reserve_rows():
             c.truncate_rows(rows, [0, 0, 0], reserve=5)
             c.grow_rows(rows, lens)
         reference.reserve_rows(rows, [n + 5 for n in lens])
-        width = reference.max_context_len  # flat indices into req_to_token of positions n .. n + 4 of each row
-        assert one_pass.reserve_scratch(rows, lens, 5) == [row * width + n + i for row, n in zip(rows, lens) for i in range(5)]
+        one_pass.reserve_scratch(rows, lens, 5)
         assert torch.equal(one_pass.req_to_token, reference.req_to_token)
         assert one_pass.row_blocks == reference.row_blocks and one_pass.row_len == reference.row_len
     before = (one_pass.req_to_token.clone(), [list(b) for b in one_pass.row_blocks.values()], dict(one_pass.row_len))
@@ -393,3 +391,23 @@ def test_copy_slots_kernel_equals_indexing(dtype):
     with pytest.raises(RuntimeError, match="copy_cache_slots: slot 40 outside 0 .. 39"):
         pool.copy_slots(torch.tensor([1, 2]), torch.tensor([3, 40]))
     assert torch.equal(pool.kv, before)
+
+
+@pytest.mark.parametrize("use_kernels", [
+    pytest.param(True, marks=pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")), False,
+], ids=["kernel", "python"])
+def test_scratch_slots_are_the_table_entries(use_kernels, monkeypatch):
+    """A round's slots: row rows[b]'s table entries at prefix[b] .. prefix[b] + scratch - 1; a window
+    past the table raises (the kernel with a precise message)."""
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
+    cache = _three_row_cache()
+    rows = [cache.alloc_row() for _ in range(3)]
+    cache.grow_rows(rows, [3, 9, 20])
+    rows_t, prefix = torch.tensor([2, 0, 1]), torch.tensor([20, 3, 9])
+    slots = cache.scratch_slots(rows_t, prefix, 5)
+    assert slots.tolist() == [cache.req_to_token[r, p : p + 5].tolist() for r, p in zip(rows_t.tolist(), prefix.tolist())]
+    assert cache.scratch_slots(rows_t, prefix, 0).shape == (3, 0)
+    match = "scratch_slots: row 2 at 30 \\+ 5 outside the table" if use_kernels else None
+    with pytest.raises((RuntimeError, IndexError), match=match):
+        cache.scratch_slots(torch.tensor([2]), torch.tensor([30]), 5)

@@ -196,15 +196,14 @@ class KVCacheManager:
         for row, new in zip(rows, new_lens):
             self.row_len[row] = new
 
-    def reserve_scratch(self, rows: list[int], lens: list[int], scratch: int) -> list[int]:
-        """Grows each row, which must hold exactly its ``lens`` tokens, by ``scratch`` positions
-        (a speculative round's); returns the flat ``req_to_token`` indices of those positions, row
-        after row. One pass over the rows: their blocks usually hold the scratch already (truncate
-        keeps it), and a decode round calls this for every request."""
+    def reserve_scratch(self, rows: list[int], lens: list[int], scratch: int) -> None:
+        """Grows each row, which must hold exactly its ``lens`` tokens, by ``scratch`` positions (a
+        speculative round's; ``scratch_slots`` reads their slots). One pass over the rows: their
+        blocks usually hold the scratch already (truncate keeps it), and a decode round calls this
+        for every request."""
         size, width = self.block_size, self.max_context_len
         if max(lens, default=0) + scratch > width:
             raise OutOfCacheBlocks(f"sequence of {max(lens) + scratch} tokens exceeds the table width {width}")
-        entries: list[int] = []
         grow_rows, grow_lens = [], []
         row_len, row_blocks = self.row_len, self.row_blocks
         for row, n in zip(rows, lens):
@@ -213,13 +212,17 @@ class KVCacheManager:
             if len(row_blocks[row]) * size < n + scratch:
                 grow_rows.append(row)
                 grow_lens.append(n + scratch)
-            start = row * width + n
-            entries.extend(range(start, start + scratch))
         if grow_rows:  # out of blocks: raises with every row at its old length
             self.reserve_rows(grow_rows, grow_lens)
         for row, n in zip(rows, lens):
             row_len[row] = n + scratch
-        return entries
+
+    def scratch_slots(self, rows: torch.Tensor, prefix: torch.Tensor, scratch: int) -> torch.Tensor:
+        """[B, scratch]: the cache slots of row indices prefix[b] .. prefix[b] + scratch - 1 of each
+        of ``rows`` (one kernel call where the CPU kernels are loaded)."""
+        if kernels.loaded() and self.req_to_token.device.type == "cpu":
+            return torch.ops.eaglet.scratch_slots(self.req_to_token, rows, prefix, scratch)
+        return self.req_to_token[rows[:, None], prefix[:, None] + torch.arange(scratch, device=prefix.device)]
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""

@@ -583,6 +583,28 @@ void copy_cache_slots(at::Tensor kv, const at::Tensor& src, const at::Tensor& ds
   }
 }
 
+// KVCacheManager.scratch_slots: [B, scratch] the cache slots of row rows[b]'s row indices
+// prefix[b] .. prefix[b] + scratch - 1 (a speculative round's draft scratch and verify tree).
+at::Tensor scratch_slots(const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& prefix, int64_t scratch) {
+  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.is_contiguous() && req_to_token.scalar_type() == at::kLong,
+              "scratch_slots: a contiguous int64 req_to_token [R, W]");
+  TORCH_CHECK(rows.dim() == 1 && prefix.sizes() == rows.sizes() && rows.scalar_type() == at::kLong &&
+                  prefix.scalar_type() == at::kLong && scratch >= 0,
+              "scratch_slots: int64 rows [B] and prefix [B], scratch >= 0");
+  const int64_t batch = rows.size(0), num_rows = req_to_token.size(0), width = req_to_token.size(1);
+  const at::Tensor rows_c = rows.contiguous(), prefix_c = prefix.contiguous();
+  const int64_t *rp = rows_c.data_ptr<int64_t>(), *pp = prefix_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < num_rows && pp[b] >= 0 && pp[b] + scratch <= width, "scratch_slots: row ", rp[b],
+                " at ", pp[b], " + ", scratch, " outside the table [", num_rows, ", ", width, "]");
+  }
+  at::Tensor out = at::empty({batch, scratch}, req_to_token.options());
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) std::copy_n(table + rp[b] * width + pp[b], scratch, op + b * scratch);
+  return out;
+}
+
 // KVCacheManager's table entries of newly allocated cache blocks: per row of `blocks` [n, 3]
 // (a request row, the block's index in that row, the cache block), the row's entries of that
 // block's positions get the block's slots (block * block_size + j), up to the table's width.
@@ -2586,6 +2608,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("commit_table(Tensor verify_table, Tensor tokens, Tensor slots, Tensor prefix) -> Tensor[]");
   m.def("write_block_entries(Tensor(a!) req_to_token, Tensor blocks, int block_size) -> ()");
   m.def("copy_cache_slots(Tensor(a!) kv, Tensor src, Tensor dst) -> ()");
+  m.def("scratch_slots(Tensor req_to_token, Tensor rows, Tensor prefix, int scratch) -> Tensor");
   m.def("select_draft_tree(Tensor tokens, Tensor scores, Tensor parents, Tensor depths, Tensor roots, int num_nodes) -> Tensor[]");
   m.def("tree_attention_mask(Tensor parents, Tensor prefix, int num_keys) -> Tensor");
   m.def("noaux_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
@@ -2608,6 +2631,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("commit_table", commit_table);
   m.impl("write_block_entries", write_block_entries);
   m.impl("copy_cache_slots", copy_cache_slots);
+  m.impl("scratch_slots", scratch_slots);
   m.impl("select_draft_tree", select_draft_tree);
   m.impl("tree_attention_mask", tree_attention_mask);
   m.impl("noaux_route", noaux_route);

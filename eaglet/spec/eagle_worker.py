@@ -288,13 +288,10 @@ class EagleWorker:
         rows = [r.req_pool_idx for r in requests]
         prefix = [r.num_cached_tokens for r in requests]
         scratch = self.spec.scratch_len
-        entries = self.cache.reserve_scratch(rows, prefix, scratch)
-        # Rows, prefixes, roots and the table entries of row indices prefix .. prefix + scratch - 1
-        # of every row, in one host-to-tensor copy.
-        batch_size = len(rows)
-        host = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests] + entries)
-        rows_t, prefix_t, roots, entries_t = host.split([batch_size, batch_size, batch_size, batch_size * scratch])
-        slots = self.cache.req_to_token.view(-1).index_select(0, entries_t).view(batch_size, scratch)
+        self.cache.reserve_scratch(rows, prefix, scratch)
+        # Rows, prefixes and roots in one host-to-tensor copy.
+        rows_t, prefix_t, roots = long_tensor(rows + prefix + [r.output_token_ids[-1] for r in requests]).view(3, -1).unbind(0)
+        slots = self.cache.scratch_slots(rows_t, prefix_t, scratch)
         greedy_only = all(r.greedy_ids_suffice for r in requests)
         return RoundRows(rows, prefix, rows_t, prefix_t, roots, slots, greedy_only)
 
