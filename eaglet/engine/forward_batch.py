@@ -62,6 +62,12 @@ def _same_length_offsets(batch_size: int, new_tokens: int, device: str) -> tuple
         return torch.full((batch_size,), new_tokens, dtype=torch.long, device=device), starts[:-1], starts
 
 
+def _check_flat_buffer(input_ids: torch.Tensor, out_cache_loc: torch.Tensor, positions: torch.Tensor, total: int) -> None:
+    if input_ids.shape[0] != total or out_cache_loc.shape[0] != total or positions.shape[0] != total:
+        raise ValueError(f"flat buffer holds {input_ids.shape[0]} ids / {out_cache_loc.shape[0]} slots / "
+                         f"{positions.shape[0]} positions, expected {total}")
+
+
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill / chunked prefill: new tokens attend in the decompressed form
     DECODE = auto()  # one new token per request: absorbed attention over the latent cache
@@ -167,8 +173,7 @@ class ForwardBatch:
         total = batch_size * new_tokens
         if new_tokens <= 0 or req_pool_indices.shape != (batch_size,) or prefix_lens.shape != (batch_size,):
             raise ValueError("same_length: one row index and prefix length per request, and at least one new token")
-        if input_ids.shape[0] != total or out_cache_loc.shape[0] != total or positions.shape[0] != total:
-            raise ValueError(f"flat buffer holds {input_ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
+        _check_flat_buffer(input_ids, out_cache_loc, positions, total)
         extend_seq_lens, extend_start_loc, token_starts = _same_length_offsets(batch_size, new_tokens, str(input_ids.device))
         return cls(
             mode=mode,
@@ -214,8 +219,7 @@ class ForwardBatch:
         total = sum(extend_seq_lens_cpu)
         if len(extend_seq_lens_cpu) != batch_size or any(t.shape != (batch_size,) for t in (req_pool_indices, prefix_lens)):
             raise ValueError("ragged: one row index, prefix length and new-token count per request")
-        if input_ids.shape[0] != total or out_cache_loc.shape[0] != total or positions.shape[0] != total:
-            raise ValueError(f"flat buffer holds {input_ids.shape[0]} ids / {out_cache_loc.shape[0]} slots, expected {total}")
+        _check_flat_buffer(input_ids, out_cache_loc, positions, total)
         return cls(
             mode=mode,
             input_ids=input_ids,
