@@ -439,3 +439,11 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: req_to_token or rope_table too short"):
             midlayer.draft_chain(d, roots, rows, states, rest[0], rest[1], rest[2] + 10**6, *rest[3:])
         assert torch.equal(before, worker.pool.kv)
+    else:  # a top-k wider than the state tables, a prefix past the table: precise errors, nothing written
+        d, roots, rows, states, k, backend, prefix, prefix_t, *rest = calls[-1]
+        before = worker.pool.kv.clone()
+        with torch.inference_mode(), pytest.raises(RuntimeError, match=r"draft_tree: int64 state_tokens and float32 state_logprobs"):
+            midlayer.draft_tree(d, roots, rows, states, states.topk_tokens.shape[1] + 1, backend, prefix, prefix_t, *rest)
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_tree: req_to_token or rope_table too short"):
+            midlayer.draft_tree(d, roots, rows, states, k, backend, prefix, prefix_t + 10**6, *rest)
+        assert torch.equal(before, worker.pool.kv)
