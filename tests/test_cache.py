@@ -105,8 +105,10 @@ def test_the_table_is_written_a_block_at_a_time(use_kernels, monkeypatch):
     assert_table_covers_blocks(cache)
     if use_kernels:  # a block outside the table: a precise error, nothing written
         before = cache.req_to_token.clone()
-        with pytest.raises(RuntimeError, match="write_block_entries: block 3 at index 5 of row 1 outside the table"):
-            torch.ops.eaglet.write_block_entries(cache.req_to_token, torch.tensor([[0, 0, 2], [1, 5, 3]]), cache.block_size)
+        for bad, message in (([1, 5, 3], "block 3 at index 5 of row 1"), ([3, 0, 3], "block 3 at index 0 of row 3"),
+                             ([-1, 0, 3], "block 3 at index 0 of row -1"), ([1, 0, -2], "block -2 at index 0 of row 1")):
+            with pytest.raises(RuntimeError, match=f"write_block_entries: {message} outside the table"):
+                torch.ops.eaglet.write_block_entries(cache.req_to_token, torch.tensor([[0, 0, 2], bad]), cache.block_size)
         assert torch.equal(before, cache.req_to_token)
 
 
@@ -282,8 +284,8 @@ def test_long_tensor_equals_torch_tensor():
 
 
 def test_reserve_scratch_equals_reserve_rows():
-    """A round's one-pass reserve (rows checked, grown by the scratch) leaves what reserve_rows leaves; a row not at its committed length, or too long a row, raises
-    before anything changes."""
+    """A round's one-pass reserve (rows checked, grown by the scratch) leaves what reserve_rows
+    leaves; a row not at its committed length, or too long a row, raises before anything changes."""
     reference, one_pass = _three_row_cache(), _three_row_cache()
     rows = [reference.alloc_row() for _ in range(3)]
     assert [one_pass.alloc_row() for _ in range(3)] == rows
@@ -359,6 +361,18 @@ def test_ragged_batch_equals_build():
             seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
             prefix_lens_cpu=prefix, extend_seq_lens_cpu=[1, 4, 3], **common,
         )
+    with pytest.raises(ValueError, match="B \\+ 1 token starts"):
+        ForwardBatch.ragged(
+            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
+            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts[:-1]), logits_indices=ragged.logits_indices,
+            prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, **common,
+        )
+    with pytest.raises(ValueError, match="at least one new token"):
+        ForwardBatch.ragged(
+            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
+            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
+            prefix_lens_cpu=prefix, extend_seq_lens_cpu=[0, 5, 2], **common,
+        )
     with pytest.raises(ValueError, match="one row index"):
         ForwardBatch.ragged(
             req_pool_indices=torch.tensor(rows[:2]), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
@@ -367,12 +381,18 @@ def test_ragged_batch_equals_build():
         )
 
 
-@pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")
+@pytest.mark.parametrize("use_kernels", [
+    pytest.param(True, marks=pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")), False,
+], ids=["kernel", "python"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_copy_slots_kernel_equals_indexing(dtype):
-    """copy_cache_slots against kv[:, dst] = kv[:, src]: sources read before any write (a slot that
-    is both a source and a destination), entries in place skipped; bad slots raise, nothing written."""
+def test_copy_slots_equals_indexing(dtype, use_kernels, monkeypatch):
+    """LatentKVPool.copy_slots (copy_cache_slots, or the masked indexing without the kernels)
+    against kv[:, dst] = kv[:, src]: sources read before any write (a slot that is both a source
+    and a destination), entries in place skipped; bad slots raise, nothing written."""
     from eaglet.engine.kv_cache import LatentKVPool
+
+    if not use_kernels:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
 
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -387,9 +407,15 @@ def test_copy_slots_kernel_equals_indexing(dtype):
         expected[:, dst] = expected[:, src]
         pool.copy_slots(src, dst)
         assert torch.equal(pool.kv, expected)
+    if not use_kernels:
+        return
     before = pool.kv.clone()
     with pytest.raises(RuntimeError, match="copy_cache_slots: slot 40 outside 0 .. 39"):
         pool.copy_slots(torch.tensor([1, 2]), torch.tensor([3, 40]))
+    with pytest.raises(RuntimeError, match="copy_cache_slots: slot -1 outside 0 .. 39"):
+        pool.copy_slots(torch.tensor([1, -1]), torch.tensor([3, 4]))
+    with pytest.raises(RuntimeError, match="copy_cache_slots: a destination slot appears twice"):
+        pool.copy_slots(torch.tensor([7, 5]), torch.tensor([5, 5]))
     assert torch.equal(pool.kv, before)
 
 

@@ -374,6 +374,9 @@ def test_draft_extend_in_one_call_rejects_bad_inputs(tmp_path):
         with pytest.raises(RuntimeError, match="extend_proposals: contiguous state tables"):
             stack.extend_proposals(ids, rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
                                    3, ids, *tables, rows, ids, rows, ids, ids, None, None)
+        with pytest.raises(IndexError, match="out of range"):  # feature rows past the features
+            stack.extend_proposals(ids, rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
+                                   2, ids, *tables, rows, ids, rows, ids, ids, None, torch.tensor([0, 5]))
 
 
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(5, 1, 6), (4, 2, 8), (3, 4, 10), (1, 3, 3)])
@@ -438,6 +441,10 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
             midlayer.draft_chain(d, roots, rows, states, *rest[:-1], torch.zeros(len(rows) + 1, 2, dtype=torch.long))
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: req_to_token or rope_table too short"):
             midlayer.draft_chain(d, roots, rows, states, rest[0], rest[1], rest[2] + 10**6, *rest[3:])
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: a negative prefix"):
+            midlayer.draft_chain(d, roots, rows, states, rest[0], rest[1], rest[2] - 10**6, *rest[3:])
+        with torch.inference_mode(), pytest.raises(IndexError, match="out of range"):  # a state row past the tables
+            midlayer.draft_chain(d, roots, rows + states.hidden.shape[0], states, *rest)
         assert torch.equal(before, worker.pool.kv)
     else:  # a top-k wider than the state tables, a prefix past the table: precise errors, nothing written
         d, roots, rows, states, k, backend, prefix, prefix_t, *rest = calls[-1]
@@ -446,4 +453,6 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
             midlayer.draft_tree(d, roots, rows, states, states.topk_tokens.shape[1] + 1, backend, prefix, prefix_t, *rest)
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_tree: req_to_token or rope_table too short"):
             midlayer.draft_tree(d, roots, rows, states, k, backend, prefix, prefix_t + 10**6, *rest)
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_tree: a negative prefix"):
+            midlayer.draft_tree(d, roots, rows, states, k, backend, prefix, prefix_t - 10**6, *rest)
         assert torch.equal(before, worker.pool.kv)

@@ -214,11 +214,17 @@ class ForwardBatch:
     ) -> "ForwardBatch":
         """``build`` where a kernel already made the per-request tensors (a speculative round's
         draft extend, from ``commit_table``): ``token_starts`` [B + 1] is each request's first new
-        token, then the token count; the host lists hold the same lengths as the tensors."""
+        token, then the token count. The host lists must hold the tensors' values: shapes are
+        checked here, values are not (that would cost a copy back)."""
         batch_size = len(prefix_lens_cpu)
         total = sum(extend_seq_lens_cpu)
-        if len(extend_seq_lens_cpu) != batch_size or any(t.shape != (batch_size,) for t in (req_pool_indices, prefix_lens)):
-            raise ValueError("ragged: one row index, prefix length and new-token count per request")
+        per_request = (req_pool_indices, prefix_lens, extend_seq_lens, seq_lens, logits_indices)
+        if (len(extend_seq_lens_cpu) != batch_size or any(t.shape != (batch_size,) for t in per_request)
+                or token_starts.shape != (batch_size + 1,)):
+            raise ValueError("ragged: one row index, prefix length, new-token count, sequence length and logits row per "
+                             "request, and B + 1 token starts")
+        if extend_seq_lens_cpu and min(extend_seq_lens_cpu) <= 0:
+            raise ValueError("every request in a forward batch needs at least one new token")
         _check_flat_buffer(input_ids, out_cache_loc, positions, total)
         return cls(
             mode=mode,
@@ -232,7 +238,7 @@ class ForwardBatch:
             extend_start_loc=token_starts[:-1],
             logits_indices=logits_indices,
             seq_lens_cpu=[p + n for p, n in zip(prefix_lens_cpu, extend_seq_lens_cpu)],
-            extend_seq_lens_cpu=extend_seq_lens_cpu,
+            extend_seq_lens_cpu=list(extend_seq_lens_cpu),
             extend_prefix_lens_cpu=list(prefix_lens_cpu),
             _memo={"token_starts": token_starts},
         )

@@ -83,12 +83,14 @@ class LatentKVPool:
         buf[out_cache_loc, latent_dim:] = k_pe.to(buf.dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every layer's entries of slots ``src`` go to slots ``dst`` (one kernel call where the CPU
-        kernels are loaded: it skips entries already in place)."""
+        """Every layer's entries of slots ``src`` go to slots ``dst`` (distinct slots); entries already
+        in place are skipped (in one kernel call where the CPU kernels are loaded)."""
         if kernels.loaded() and self.kv.device.type == "cpu":
             torch.ops.eaglet.copy_cache_slots(self.kv, src, dst)
-        else:
-            self.kv[:, dst] = self.kv[:, src]
+            return
+        moved = src != dst
+        if moved.any():
+            self.kv[:, dst[moved]] = self.kv[:, src[moved]]
 
 
 class KVCacheManager:

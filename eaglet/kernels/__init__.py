@@ -5,8 +5,8 @@ The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (g
 (EAGLE-2 tree selection and its verify mask), ``verify_tree_greedy`` / ``verify_tree_greedy_ids``
 and ``commit_table`` (a speculative round's acceptance, from logits or greedy ids, and commit, with
 the draft extend's per-request vectors), ``copy_cache_slots`` (an accepted tree path's cache entries
-moving to their rows) and ``write_block_entries`` (the request-to-slots table's entries of new
-cache blocks), ``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
+moving to their rows), ``write_block_entries`` (the request-to-slots table's entries of new
+cache blocks) and ``scratch_slots`` (a round's slots), ``rope_query_key``, ``noaux_route`` (DeepSeek-V3 routing), ``mla_cache_write`` and
 ``mla_absorbed_attention`` (absorbed MLA attention over the paged latent cache) and, where
 ``tile_backend()`` names one, ``amx_linear`` (bfloat16 GEMMs on weights in AMX tile layout),
 ``amx_linear_argmax`` (an lm_head's greedy ids without its logits), ``amx_swiglu`` and

@@ -557,8 +557,9 @@ at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& pa
 }
 
 // LatentKVPool.copy_slots: every layer's entries of slots src[i] go to slots dst[i] (an accepted
-// tree path's nodes moving to their row indices), as kv[:, dst] = kv[:, src]: each layer's sources
-// are read before any is written. Entries already in place (src[i] == dst[i]) are skipped.
+// tree path's nodes moving to their row indices; dst holds distinct slots), as
+// kv[:, dst] = kv[:, src]: each layer's sources are read before any is written. Entries already in
+// place (src[i] == dst[i]) are skipped.
 void copy_cache_slots(at::Tensor kv, const at::Tensor& src, const at::Tensor& dst) {
   TORCH_CHECK(kv.dim() == 3 && kv.is_contiguous(), "copy_cache_slots: a contiguous cache [layers, slots, dim]");
   TORCH_CHECK(src.dim() == 1 && src.sizes() == dst.sizes() && src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong,
@@ -572,6 +573,10 @@ void copy_cache_slots(at::Tensor kv, const at::Tensor& src, const at::Tensor& ds
                 sp[i] < 0 || sp[i] >= num_slots ? sp[i] : dp[i], " outside 0 .. ", num_slots - 1);
     if (sp[i] != dp[i]) moves.push_back(i);
   }
+  std::vector<int64_t> sorted_dst(dp, dp + n);
+  std::sort(sorted_dst.begin(), sorted_dst.end());
+  TORCH_CHECK(std::adjacent_find(sorted_dst.begin(), sorted_dst.end()) == sorted_dst.end(),
+              "copy_cache_slots: a destination slot appears twice");
   if (moves.empty()) return;
   const int64_t row_bytes = kv.size(2) * kv.element_size(), count = static_cast<int64_t>(moves.size());
   std::vector<char> staged(count * row_bytes);
@@ -2311,8 +2316,8 @@ struct DecoderStack : torch::CustomClassHolder {
   // req_to_token [R, >= max(prefix) + steps] (gathered here: three tensor ops fewer in each
   // round's Python); rope_table [positions, 2, R / 2]: cos and sin per position. With final_ids
   // [B, S] (-1 pads), drafting stops once every request's chain holds one of its final ids (tokens
-  // that would end it: later drafts are never kept). Returns the chain [B, steps + 2] (shorter where it stopped): the
-  // roots, the tokens, then the drafted target ids.
+  // that would end it: later drafts are never kept). Returns the chain [B, steps + 2] (shorter
+  // where it stopped): the roots, the tokens, then the drafted target ids.
   at::Tensor draft_chain(at::Tensor roots, at::Tensor state_rows, at::Tensor state_tokens, at::Tensor state_hidden,
                          at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight, double norm_eps, at::Tensor lm_head,
                          int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t, bool norm_output, at::Tensor kv,
@@ -2329,6 +2334,7 @@ struct DecoderStack : torch::CustomClassHolder {
     const at::Tensor prefix_c = prefix.contiguous();
     const int64_t* pp = prefix_c.data_ptr<int64_t>();
     const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
+    TORCH_CHECK(batch == 0 || *std::min_element(pp, pp + batch) >= 0, "DecoderStack.draft_chain: a negative prefix");
     const at::Tensor tokens = state_tokens.select(1, 0).index_select(0, state_rows);
     at::Tensor h = state_hidden.index_select(0, state_rows);
     const at::Tensor row_slots =
@@ -2437,6 +2443,7 @@ struct DecoderStack : torch::CustomClassHolder {
     const at::Tensor prefix_c = prefix.contiguous();
     const int64_t* pp = prefix_c.data_ptr<int64_t>();
     const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
+    TORCH_CHECK(batch == 0 || *std::min_element(pp, pp + batch) >= 0, "DecoderStack.draft_tree: a negative prefix");
     const at::Tensor tokens = state_tokens.narrow(1, 0, k).index_select(0, state_rows);
     const at::Tensor scores = state_logprobs.narrow(1, 0, k).index_select(0, state_rows);
     const at::Tensor h = state_hidden.index_select(0, state_rows);

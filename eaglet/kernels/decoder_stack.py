@@ -106,7 +106,7 @@ def _build(config: TextConfig, layers: list[nn.Module]) -> torch.ScriptObject | 
 def _absorbed_inputs(backend: AttentionBackend, hidden: torch.Tensor, batch: ForwardBatch) -> tuple | None:
     """The stack's attention inputs for this batch, or None where the layer-by-layer path must run."""
     if (not isinstance(backend, FusedCPUMLABackend) or hidden.dtype != torch.bfloat16
-            or hidden.shape[0] > PADDED_MAX_ROWS or torch.is_grad_enabled()):
+            or batch.num_tokens > PADDED_MAX_ROWS or torch.is_grad_enabled()):
         return None
     return backend.absorbed_inputs(batch)
 
