@@ -343,42 +343,31 @@ def test_ragged_batch_equals_build():
     positions = torch.tensor([p + i for p, n in zip(prefix, lens) for i in range(n)])
     common = dict(input_ids=ids, out_cache_loc=slots, positions=positions, mode=ForwardMode.EXTEND)
     built = ForwardBatch.build(req_pool_indices=rows, extend_prefix_lens=prefix, extend_seq_lens=lens, **common)
-    ragged = ForwardBatch.ragged(
-        req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
-        seq_lens=torch.tensor([p + n for p, n in zip(prefix, lens)]), token_starts=torch.tensor(starts),
-        logits_indices=torch.tensor([s + n - 1 for s, n in zip(starts, lens)]), prefix_lens_cpu=prefix,
-        extend_seq_lens_cpu=lens, **common,
-    )
+
+    def ragged_batch(**changes) -> ForwardBatch:
+        args = dict(
+            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
+            seq_lens=torch.tensor([p + n for p, n in zip(prefix, lens)]), token_starts=torch.tensor(starts),
+            logits_indices=torch.tensor([s + n - 1 for s, n in zip(starts, lens)]), prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=lens, **common,
+        )
+        return ForwardBatch.ragged(**(args | changes))
+
+    ragged = ragged_batch()
     for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "extend_seq_lens",
                  "extend_prefix_lens", "extend_start_loc", "logits_indices"):
         assert torch.equal(getattr(ragged, name), getattr(built, name)), name
     for name in ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "mode"):
         assert getattr(ragged, name) == getattr(built, name), name
     assert torch.equal(ragged.token_starts(), built.token_starts())
-    with pytest.raises(ValueError, match="expected 8"):
-        ForwardBatch.ragged(
-            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
-            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
-            prefix_lens_cpu=prefix, extend_seq_lens_cpu=[1, 4, 3], **common,
-        )
-    with pytest.raises(ValueError, match="B \\+ 1 token starts"):
-        ForwardBatch.ragged(
-            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
-            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts[:-1]), logits_indices=ragged.logits_indices,
-            prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, **common,
-        )
-    with pytest.raises(ValueError, match="at least one new token"):
-        ForwardBatch.ragged(
-            req_pool_indices=torch.tensor(rows), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
-            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
-            prefix_lens_cpu=prefix, extend_seq_lens_cpu=[0, 5, 2], **common,
-        )
-    with pytest.raises(ValueError, match="one row index"):
-        ForwardBatch.ragged(
-            req_pool_indices=torch.tensor(rows[:2]), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
-            seq_lens=ragged.seq_lens, token_starts=torch.tensor(starts), logits_indices=ragged.logits_indices,
-            prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, **common,
-        )
+    for changes, message in (
+        (dict(extend_seq_lens_cpu=[1, 4, 3]), "expected 8"),
+        (dict(token_starts=torch.tensor(starts[:-1])), "B \\+ 1 token starts"),
+        (dict(extend_seq_lens_cpu=[0, 5, 2]), "at least one new token"),
+        (dict(req_pool_indices=torch.tensor(rows[:2])), "one row index"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ragged_batch(**changes)
 
 
 @pytest.mark.parametrize("use_kernels", [
