@@ -588,6 +588,18 @@ void copy_cache_slots(at::Tensor kv, const at::Tensor& src, const at::Tensor& ds
   }
 }
 
+// The drafting calls' prefix lengths [B]: each checked non-negative; returns the largest (0 for none).
+int64_t largest_prefix(const int64_t* prefix, int64_t batch, const char* who) {
+  TORCH_CHECK(batch == 0 || *std::min_element(prefix, prefix + batch) >= 0, who, ": a negative prefix");
+  return batch ? *std::max_element(prefix, prefix + batch) : 0;
+}
+
+// Rows `rows` of the request-to-slots table, their first `width` entries (fewer where the table is
+// narrower: callers check the width they got).
+at::Tensor table_rows(const at::Tensor& req_to_token, const at::Tensor& rows, int64_t width) {
+  return req_to_token.narrow(1, 0, std::min(req_to_token.size(1), width)).index_select(0, rows);
+}
+
 // KVCacheManager.scratch_slots: [B, scratch] the cache slots of row rows[b]'s row indices
 // prefix[b] .. prefix[b] + scratch - 1 (a speculative round's draft scratch and verify tree).
 at::Tensor scratch_slots(const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& prefix, int64_t scratch) {
@@ -2333,12 +2345,10 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(rope_table.dim() == 3 && rope_table.size(1) == 2 && steps >= 1, "DecoderStack.draft_chain: rope_table [P, 2, R / 2]");
     const at::Tensor prefix_c = prefix.contiguous();
     const int64_t* pp = prefix_c.data_ptr<int64_t>();
-    const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
-    TORCH_CHECK(batch == 0 || *std::min_element(pp, pp + batch) >= 0, "DecoderStack.draft_chain: a negative prefix");
+    const int64_t max_prefix = largest_prefix(pp, batch, "DecoderStack.draft_chain");
     const at::Tensor tokens = state_tokens.select(1, 0).index_select(0, state_rows);
     at::Tensor h = state_hidden.index_select(0, state_rows);
-    const at::Tensor row_slots =
-        req_to_token.narrow(1, 0, std::min(req_to_token.size(1), max_prefix + steps)).index_select(0, state_rows);
+    const at::Tensor row_slots = table_rows(req_to_token, state_rows, max_prefix + steps);
     TORCH_CHECK(row_slots.size(1) >= max_prefix + steps && rope_table.size(0) >= max_prefix + steps,
                 "DecoderStack.draft_chain: req_to_token or rope_table too short for ", steps, " steps");
     TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == h.scalar_type(),
@@ -2442,13 +2452,11 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t scratch = (steps - 1) * k, num_candidates = k + scratch * k;
     const at::Tensor prefix_c = prefix.contiguous();
     const int64_t* pp = prefix_c.data_ptr<int64_t>();
-    const int64_t max_prefix = batch ? *std::max_element(pp, pp + batch) : 0;
-    TORCH_CHECK(batch == 0 || *std::min_element(pp, pp + batch) >= 0, "DecoderStack.draft_tree: a negative prefix");
+    const int64_t max_prefix = largest_prefix(pp, batch, "DecoderStack.draft_tree");
     const at::Tensor tokens = state_tokens.narrow(1, 0, k).index_select(0, state_rows);
     const at::Tensor scores = state_logprobs.narrow(1, 0, k).index_select(0, state_rows);
     const at::Tensor h = state_hidden.index_select(0, state_rows);
-    const at::Tensor row_slots =
-        req_to_token.narrow(1, 0, std::min(req_to_token.size(1), max_prefix + scratch)).index_select(0, state_rows);
+    const at::Tensor row_slots = table_rows(req_to_token, state_rows, max_prefix + scratch);
     TORCH_CHECK(row_slots.size(1) >= max_prefix + scratch && rope_table.size(0) >= max_prefix + steps,
                 "DecoderStack.draft_tree: req_to_token or rope_table too short for ", steps, " steps of ", k);
     TORCH_CHECK(num_nodes >= 1 && num_nodes - 1 <= num_candidates, "DecoderStack.draft_tree: ", num_nodes, " nodes from ",
