@@ -41,10 +41,7 @@ class ModelRunner:
         input_ids: list[int] = []
         prefix_lens: list[int] = []
         # Prompt logprobs need the logits of every prompt position in the chunk.
-        wants_prompt = [
-            r.sampling_params.prompt_logprobs is not None and r.num_cached_tokens < len(r.prompt_token_ids)
-            for r in requests
-        ]
+        wants_prompt = [r.needs_prompt_logprobs for r in requests]
         for req, num_new in zip(requests, num_new_tokens):
             start = req.num_cached_tokens
             input_ids.extend(req.token_ids(start, start + num_new))

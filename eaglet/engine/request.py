@@ -66,6 +66,11 @@ class Request:
         self.greedy_ids_suffice = self.sampling_params.greedy_ids_suffice
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are not recorded yet."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -120,6 +125,11 @@ def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> No
     prompt = req.prompt_token_ids
     if not req.prompt_logprobs:
         req.prompt_logprobs.append(None)
+    if start >= len(req.prompt_logprobs):
+        raise RuntimeError(
+            f"prompt logprobs of request {req.request_id!r} from position {start + 1}, but only "
+            f"{len(req.prompt_logprobs)} are recorded (its prefix was not computed)"
+        )
     targets = list(range(start + 1, min(start + logits.shape[0], len(prompt) - 1) + 1))
     targets = [t for t in targets if t >= len(req.prompt_logprobs)]
     if not targets:

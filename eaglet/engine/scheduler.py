@@ -3,11 +3,17 @@
 Every step serves, within ``max_num_batched_tokens``:
 
 1. decode work for every request whose prompt is cached (one token each, or one speculative
-   round costing ``decode_cost`` tokens); if the cache cannot hold their growth, the newest
-   running requests are preempted (their cache freed, recomputed when readmitted) rather than
-   failing anyone;
+   round costing ``decode_cost`` tokens);
 2. the next chunk of prompts being prefilled, oldest first;
-3. newly admitted requests, while rows, blocks and budget last.
+3. newly admitted requests, while rows, blocks and budget last, unless an earlier request of this
+   step had to wait or preempt for blocks (a newer request must not take what an older one needs).
+
+The progress rule (``_fit``, the one place blocks are found for running requests): a running
+request whose work does not fit the free blocks preempts running requests newer than itself,
+newest first (their cache freed, recomputed when readmitted); if it is the newest, it is
+preempted itself. So the oldest running request is never preempted and always gets its work (it
+fits the cache alone, which admission checks), every step runs work while requests are
+unfinished, and every request finishes.
 
 A request's prompt is "cached" once ``prefill_target`` tokens are: the whole prompt for a fresh
 request; prompt + output minus the last token for a preempted one (its last token is the next
@@ -65,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._planned_blocks = 0  # blocks set aside by the plan being built
+        self._planned: dict[int, int] = {}  # id(request) -> its blocks among them
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -84,47 +91,76 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._planned_blocks = 0
+        self._planned = {}
         budget = self.config.max_num_batched_tokens
-        decode = [r for r in self.running if r.num_cached_tokens >= prefill_target(r)]
-        while decode and not self._reserve(sum(self._decode_blocks(r) for r in decode)):
-            victim = self.running[-1]
-            self._preempt(victim)
-            plan.preempted.append(victim)
-            if victim in decode:
-                decode.remove(victim)
-        plan.decode = decode
-        budget -= len(decode) * self.decode_cost
+        for req in [r for r in self.running if r.num_cached_tokens >= prefill_target(r)]:
+            if req in self.running and self._fit(plan, req, self._decode_blocks(req)):
+                plan.decode.append(req)
+        budget -= len(plan.decode) * self.decode_cost
 
+        held_back = bool(plan.preempted)
         for req in [r for r in self.running if r.num_cached_tokens < prefill_target(r)]:
-            if not self._add_chunk(plan, req, budget):
+            chunk = self._chunk_len(req, budget)
+            if chunk <= 0:
                 break
-            budget -= plan.prefill_lens[-1]
-        while self.waiting and len(self.running) < self.config.max_running_requests and budget > 0:
+            if req not in self.running:  # preempted by an older request of this step
+                continue
+            if not self._fit(plan, req, self._chunk_blocks(req, chunk)):
+                held_back = True
+                continue
+            plan.prefill.append(req)
+            plan.prefill_lens.append(chunk)
+            budget -= chunk
+        held_back = held_back or bool(plan.preempted)
+
+        while not held_back and self.waiting and len(self.running) < self.config.max_running_requests and budget > 0:
             req = self.waiting[0]
             self._admit(req)
-            if not self._add_chunk(plan, req, budget):
+            chunk = self._chunk_len(req, budget)
+            if not self._reserve(self._chunk_blocks(req, chunk)):
                 self._release(req)
                 break
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            budget -= plan.prefill_lens[-1]
+            plan.prefill.append(req)
+            plan.prefill_lens.append(chunk)
+            budget -= chunk
+        if plan.empty and self.has_work():
+            raise RuntimeError(
+                f"scheduler made no progress with {len(self.running)} running and {len(self.waiting)} waiting "
+                f"requests and {self.cache.num_free_blocks} free blocks (a bug: please report it)"
+            )
         return plan
 
     def _decode_blocks(self, req: Request) -> int:
         target = self.cache.blocks_needed(req.num_cached_tokens + self.decode_growth)
         return max(0, target - len(self.cache.row_blocks[req.req_pool_idx]))
 
-    def _add_chunk(self, plan: StepPlan, req: Request, budget: int) -> bool:
+    def _chunk_len(self, req: Request, budget: int) -> int:
         remaining = prefill_target(req) - req.num_cached_tokens
-        chunk = min(remaining, budget, self.config.chunked_prefill_size or budget)
-        if chunk <= 0:
-            return False
-        need = self.cache.blocks_needed(req.num_cached_tokens + chunk) - len(self.cache.row_blocks[req.req_pool_idx])
-        if not self._reserve(need):
-            return False
-        plan.prefill.append(req)
-        plan.prefill_lens.append(chunk)
+        return min(remaining, budget, self.config.chunked_prefill_size or budget)
+
+    def _chunk_blocks(self, req: Request, chunk: int) -> int:
+        return self.cache.blocks_needed(req.num_cached_tokens + chunk) - len(self.cache.row_blocks[req.req_pool_idx])
+
+    def _fit(self, plan: StepPlan, req: Request, num_blocks: int) -> bool:
+        """Sets num_blocks aside for running ``req``, preempting newer running requests (newest
+        first) until they fit; False if ``req`` itself had to be preempted (it was the newest)."""
+        while not self._reserve(num_blocks):
+            victim = self.running[-1]
+            self._planned_blocks -= self._planned.pop(id(victim), 0)
+            for planned in (plan.decode, plan.prefill):
+                if victim in planned:
+                    index = planned.index(victim)
+                    del planned[index]
+                    if planned is plan.prefill:
+                        del plan.prefill_lens[index]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return False
+        self._planned[id(req)] = num_blocks
         return True
 
     def _reserve(self, num_blocks: int) -> bool:
@@ -140,7 +176,9 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         req.req_pool_idx = self.cache.alloc_row()
-        if self.prefix_cache is not None:
+        # Prompt logprobs need the logits of every prompt position, so a request still missing
+        # some computes its whole prompt (and still publishes its blocks for others).
+        if self.prefix_cache is not None and not req.needs_prompt_logprobs:
             # At least one token is always computed: the logits of the last one, and the draft's
             # state for a speculative request.
             usable = (prefill_target(req) - 1) // self.cache.block_size
