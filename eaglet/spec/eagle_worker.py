@@ -136,15 +136,24 @@ class EagleWorker:
         return sampled
 
     def _tail_embeddings(self, requests: list[Request], tails: torch.Tensor, final: list[bool]) -> torch.Tensor:
-        """Plain token embeddings of the tails, except a non-final chunk whose next prompt token is an
-        image placeholder: that tail is the image feature (placeholder ids never reach embed_tokens)."""
-        image_token = self.runner.config.image_token_id
-        is_placeholder = tails == image_token if image_token is not None else torch.zeros_like(tails, dtype=torch.bool)
-        embeds = self.runner.model.embed_tokens(tails.masked_fill(is_placeholder, 0))
-        for i in torch.nonzero(is_placeholder & ~torch.tensor(final)).flatten().tolist():
-            position = requests[i].num_cached_tokens
-            _, rows = requests[i].mm_inputs.feature_rows(position, position + 1)
-            embeds[i] = self.runner.image_features(requests[i])[rows[0]]
+        """Plain token embeddings of the tails, except a non-final chunk whose next prompt position
+        is an image placeholder: that tail is the image feature. Image rows are found by position
+        among the prompt's placeholders, never by token id: a generated token that happens to be
+        the placeholder id (re-prefilled after a preemption) is an ordinary token."""
+        image_rows: list[tuple[int, int]] = []  # (tail, feature row)
+        for i, req in enumerate(requests):
+            if final[i] or req.mm_inputs is None:
+                continue
+            position = req.num_cached_tokens
+            _, rows = req.mm_inputs.feature_rows(position, position + 1)
+            if rows.numel():
+                image_rows.append((i, int(rows[0])))
+        ids = tails.clone()
+        for i, _ in image_rows:
+            ids[i] = 0  # placeholder ids never reach embed_tokens
+        embeds = self.runner.model.embed_tokens(ids)
+        for i, row in image_rows:
+            embeds[i] = self.runner.image_features(requests[i])[row]
         return embeds
 
     def _draft_extend(
