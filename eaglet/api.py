@@ -49,7 +49,7 @@ class LLM:
         groups: list[list[str]] = []  # engine request ids of each prompt's n samples
         try:
             for request, params in zip(requests, sampling_params):
-                groups.append([self.engine.add_request(request, p) for p in _samples(params)])
+                groups.append([self.engine.add_request(request, p) for p in params.per_sample()])
         except Exception:
             for request_id in (i for group in groups for i in group):
                 self.engine.abort(request_id)
@@ -71,12 +71,3 @@ class LLM:
             results.append(first)
         return results
 
-
-def _samples(params: SamplingParams) -> list[SamplingParams]:
-    """n > 1 runs as n requests (sharing the prompt's cache through the prefix cache); sample j of
-    a seeded request uses seed + j, so each sample is reproducible and they differ."""
-    if params.n == 1:
-        return [params]
-    return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)
-    ]

@@ -16,6 +16,7 @@ the same with and without speculative decoding):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Real
@@ -141,6 +142,18 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} token ids must be in [0, {vocab_size}) (the vocabulary size), got {bad[:8]}"
                 )
+
+    def per_sample(self) -> list[SamplingParams]:
+        """The parameters of each of the n samples, which run as n requests. Sample j of a seeded
+        request uses seed (seed + j) mod 2**64: torch reads seeds modulo 2**64 (-1 is 2**64 - 1),
+        so sample 0 draws what an n = 1 request with the same seed draws, the samples differ, and
+        every valid seed works, the largest included."""
+        if self.n == 1:
+            return [self]
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + j) % 2**64)
+            for j in range(self.n)
+        ]
 
     @property
     def greedy(self) -> bool:
