@@ -68,7 +68,7 @@ def test_chains_stop_where_every_request_drafted_its_end_of_turn(plain):
     """Answers end at their end of turn, which the draft predicts: once every request of a round
     drafted a token that ends it, the chain stops (drafts after it could never be kept). Output =
     plain decoding; fused and per-step drafting stop at the same places; the statistics count the
-    tokens drafted. With ignore_eos, or a sampled request in the batch, chains keep their depth."""
+    tokens emitted. With ignore_eos, or a sampled request in the batch, chains keep their depth."""
     prompts = evaluate.held_out_prompts(3, seed=5, kinds=("describe",))
     params = evaluate.greedy(64)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
@@ -97,8 +97,12 @@ def test_chains_stop_where_every_request_drafted_its_end_of_turn(plain):
             spec.generate(prompts, batch_params)
             assert {drafted for _, drafted in rounds} == {7}, mode
             continue
-        assert [o.token_ids for o in spec.generate(prompts, params)] == expected
-        assert spec.spec_metrics()["num_draft_tokens"] == sum(batch * drafted for batch, drafted in rounds)
+        outputs = spec.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == expected
+        # Statistics count emitted tokens: every token after the first came from a verify step,
+        # and drafts past a request's end of turn are not counted as proposed.
+        assert [sum(o.spec_accept_lengths) for o in outputs] == [len(o.token_ids) - 1 for o in outputs]
+        assert spec.spec_metrics()["num_draft_tokens"] <= sum(batch * drafted for batch, drafted in rounds)
     assert chains["fused"] == chains["per step"]
     assert min(drafted for _, drafted in chains["fused"]) < 7 <= max(drafted for _, drafted in chains["fused"])
 

@@ -318,12 +318,16 @@ class Engine:
             return
         num_steps, topk, num_draft_tokens = self.spec_policy.shape(level)
         result = self.spec_worker.decode(requests, num_steps, num_draft_tokens, topk)
-        self.spec_metrics.record(result.num_accepted, result.num_drafted)
-        for req, a in zip(requests, result.num_accepted):
+        kept = self._append(requests, result.new_tokens)
+        # Only emitted tokens count (spec/metrics.py): a round cut inside its accepted drafts books
+        # the tokens it kept.
+        accepted = [min(a + 1, k) - 1 for a, k in zip(result.num_accepted, kept)]
+        drafts = [result.num_drafted if k > a else k - 1 for a, k in zip(result.num_accepted, kept)]
+        self.spec_metrics.record(accepted, drafts)
+        for req, a in zip(requests, accepted):
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
             req.spec_accept_lengths.append(a + 1)
-        self._append(requests, result.new_tokens)
         # Appending is timed too (a round appends several tokens per request). The catch-up after
         # plain steps is the cost of switching back, not of this level's rounds.
         seconds = time.perf_counter() - start - self.spec_worker.catch_up_seconds
@@ -356,12 +360,16 @@ class Engine:
         tokens[index] = picked
         return tokens
 
-    def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> None:
+    def _append(self, requests: list[Request], new_tokens: list[list[int]]) -> list[int]:
         """Appends each request's new tokens (one sampled token, or a speculative block), cut at the
         first finish in token order: EOS / stop token ids / max_new_tokens at a token, or a stop
         string completed by a token (which wins at the same token). Token ids, text and logprobs are
-        all cut at that point, exactly as one-token-at-a-time decoding would cut them."""
+        all cut at that point, exactly as one-token-at-a-time decoding would cut them.
+
+        Returns how many of each request's new tokens were kept (at least 1)."""
+        kept: list[int] = []
         for req, tokens in zip(requests, new_tokens):
+            num_before = len(req.output_token_ids)
             reason = None
             for i, token in enumerate(tokens):
                 reason = self._finish_reason(req, len(req.output_token_ids) + i + 1, token)
@@ -385,8 +393,10 @@ class Engine:
                     req.final_text = req.detokenizer.text
             # Logprobs were recorded for every proposed token; keep those of the tokens kept.
             del req.output_logprobs[len(req.output_token_ids) :]
+            kept.append(max(1, len(req.output_token_ids) - num_before))
             if reason is not None:
                 self._finish(req, reason)
+        return kept
 
     def _finish_reason(self, req: Request, num_generated: int, token: int) -> str | None:
         params = req.sampling_params

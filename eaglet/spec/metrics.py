@@ -3,6 +3,10 @@
 Accept length counts the bonus token: (accepted drafts + 1) per verify step. Acceptance rate
 excludes it: accepted drafts / proposed drafts. Position k is accepted in a verify step when the
 accepted path reaches depth k + 1.
+
+Only emitted tokens count. A verify step cut by its request's finish (EOS, a stop, max_new_tokens)
+inside its accepted drafts books the e tokens it kept: accept length e, e - 1 accepted drafts out
+of e - 1 proposed (the drafts past the cut were never used, right or wrong).
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ class SpecMetrics:
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.num_steps
 
-    def record(self, num_accepted: list[int], drafts_per_verify: int) -> None:
-        """Books one verify step per request; ``drafts_per_verify`` = verified tokens - 1 (the root)."""
+    def record(self, num_accepted: list[int], num_drafts: list[int]) -> None:
+        """Books one verify step per request: its accepted drafts and the drafts that count."""
         self.num_verify_steps += len(num_accepted)
-        self.num_draft_tokens += len(num_accepted) * drafts_per_verify
+        self.num_draft_tokens += sum(num_drafts)
         self.num_accepted_tokens += sum(num_accepted)
         for a in num_accepted:
             for position in range(min(a, self.num_steps)):
