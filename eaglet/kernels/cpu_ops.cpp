@@ -452,8 +452,11 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const
         }
         sum = _mm512_reduce_add_ps(acc);
 #else
+        // kLanes partial sums, as the vector path: one serial sum over a vocabulary loses digits.
         exp_shifted_row(row.data(), row_max, vocab);
-        for (int64_t i = 0; i < vocab; ++i) sum += row[i];
+        float partial[kLanes] = {0};
+        for (int64_t i = 0; i < vocab; ++i) partial[i % kLanes] += row[i];
+        for (int j = 0; j < kLanes; ++j) sum += partial[j];
 #endif
         const float log_normalizer = row_max + std::log(sum);
         for (int64_t j = 0; j < k; ++j) {
