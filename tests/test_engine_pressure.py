@@ -142,3 +142,17 @@ def test_accept_lengths_count_only_emitted_tokens(models):
     assert metrics["num_verify_steps"] == sum(o.spec_verify_ct for o in outputs + [long_run])
     assert metrics["num_accepted_tokens"] == sum(o.spec_accepted_tokens for o in outputs + [long_run])
     assert metrics["num_accepted_tokens"] <= metrics["num_draft_tokens"]
+
+
+def test_a_recomputed_prefix_never_pins_cached_blocks(models):
+    """Found by the engine fuzzer: a request that computes a cached prefix itself (prompt logprobs
+    skip the match) must not publish its next block below the cached copy, which would leave that
+    copy neither free nor evictable while the request needs one more block."""
+    images = lambda: [make_image(16, 16, 0), make_image(16, 16, 1)]  # noqa: E731
+    llm = make_llm(models, kv_cache_blocks=3, block_size=4, max_num_batched_tokens=8, max_running_requests=2)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": [IMAGE_TOKEN, IMAGE_TOKEN, 2], "images": images()}, params)
+           for params in (SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=1, prompt_logprobs=0))]
+    finished = run_to_completion(engine, max_steps=50)
+    assert sorted(finished) == sorted(ids)
+    assert engine.num_free_blocks() == engine.cache.allocator.num_usable

@@ -127,15 +127,20 @@ def test_insert_keeps_existing_nodes_and_caller_keeps_its_duplicate():
     keys = block_keys(list(range(8)), BS)
     first = _held(alloc, 2)
     cache.insert(keys, first)
+    alloc.decref(first)  # the first request finished: only the cache holds its blocks
     dup = _held(alloc, 3)  # a second request computed the same two blocks itself, plus one more
     keys3 = block_keys(list(range(12)), BS)
     cache.insert(keys3, dup)
-    assert cache.num_cached_blocks == 3
-    assert [alloc.ref_counts[b] for b in dup] == [1, 1, 2]  # only the new third block was taken
-    assert cache.match(keys3) == first + dup[2:]
+    # Its third block is not published below the cached copies it does not hold: it would keep
+    # them from being evicted while the second request runs.
+    assert cache.num_cached_blocks == 2
+    assert [alloc.ref_counts[b] for b in dup] == [1, 1, 1]
+    assert cache.match(keys3) == first
+    alloc.decref(first)
+    assert cache.num_evictable_blocks == 2
     before = alloc.num_free
-    alloc.decref(dup[:2])  # the caller's duplicates go back to the pool on release
-    assert alloc.num_free == before + 2
+    alloc.decref(dup)  # the caller's blocks go back to the pool on release
+    assert alloc.num_free == before + 3
 
 
 def test_insert_errors():

@@ -152,12 +152,21 @@ class PrefixCache:
         return blocks
 
     def insert(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> None:
-        """Publishes full blocks whose KV is completely written; existing nodes on the path win."""
+        """Publishes full blocks whose KV is completely written; existing nodes on the path win.
+
+        Publishing stops at a node that caches another block for the same key (the caller computed
+        its own copy): a block the caller uses must not hang below one it does not hold, which
+        could then never be evicted while the caller runs. So whoever uses a node holds its
+        ancestors too, and a node only the cache holds has a subtree that only the cache holds.
+        """
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
         node, tick = self._root, next(self._clock)
         for key, block in zip(keys, blocks):
             child = node.children.get(key)
+            if child is not None and child.block != block:
+                child.last_used = tick
+                break
             if child is None:
                 if block in self._by_block:
                     raise ValueError(f"block {block} is already cached under another prefix")
