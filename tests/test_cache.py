@@ -6,8 +6,8 @@ from checkpoints import write_deepseek_v3_checkpoint
 from runtime_utils import greedy, prompt_logits
 
 from eaglet import LLM, kernels
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
-from eaglet.engine.kv_cache import BlockAllocator, KVCacheManager, OutOfCacheBlocks
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import BlockAllocator, KVCacheManager, OutOfCacheBlocks
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 
 
@@ -274,7 +274,7 @@ def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_besi
 
 
 def test_long_tensor_equals_torch_tensor():
-    from eaglet.engine.forward_batch import long_tensor
+    from eaglet.runtime.forward_batch import long_tensor
 
     for values in ([], [0], [3, -1, 2**62, -(2**63)], list(range(100))):
         got = long_tensor(values)
@@ -307,7 +307,7 @@ def test_reserve_scratch_equals_reserve_rows():
 
 
 def test_same_length_batch_equals_build():
-    from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+    from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 
     rows, prefix, n = [2, 0, 5], [7, 3, 11], 4
     ids, slots = torch.arange(100, 112), torch.arange(40, 52)
@@ -335,7 +335,7 @@ def test_same_length_batch_equals_build():
 def test_ragged_batch_equals_build():
     """ForwardBatch.ragged (the per-request tensors made by commit_table) against build from the
     same lengths, field by field; inconsistent lengths raise."""
-    from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+    from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 
     rows, prefix, lens = [2, 0, 5], [7, 3, 11], [1, 4, 2]
     starts = [0, 1, 5, 7]
@@ -378,7 +378,7 @@ def test_copy_slots_equals_indexing(dtype, use_kernels, monkeypatch):
     """LatentKVPool.copy_slots (copy_cache_slots, or the masked indexing without the kernels)
     against kv[:, dst] = kv[:, src]: sources read before any write (a slot that is both a source
     and a destination), entries in place skipped; bad slots raise, nothing written."""
-    from eaglet.engine.kv_cache import LatentKVPool
+    from eaglet.runtime.kv_cache import LatentKVPool
 
     if not use_kernels:
         monkeypatch.setattr(kernels, "loaded", lambda: False)

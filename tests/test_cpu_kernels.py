@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglet import kernels
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.linear import linear, logits_argmax, logits_linear, pack_for_inference, pack_weight_for_amx
 from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU

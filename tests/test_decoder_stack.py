@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eaglet import LLM, SamplingParams, kernels
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.kernels.decoder_stack import FusedMidlayer
 from eaglet.layers.attention_backend import FusedCPUMLABackend
 from eaglet.spec.eagle_worker import DraftState

@@ -15,7 +15,7 @@ from spec_fixtures import IMAGE_TOKEN, draft_for
 
 import eaglet.spec.eagle_worker as eagle_worker
 from eaglet import LLM
-from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.engine.request import Request
 from eaglet.sampling_params import SamplingParams
 from eaglet.spec.draft_inputs import rotate_segments

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from eaglet import kernels
 from eaglet.config import parse_model_config
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.errors import CheckpointError, ConfigError
 from eaglet.models.eagle3 import Eagle3Config, load_eagle3_draft
 from eaglet.models.registry import load_model

@@ -7,6 +7,7 @@ from runtime_utils import greedy
 from spec_fixtures import echo_draft, echo_kimi_target
 
 from eaglet import LLM
+from eaglet.engine.async_engine import AsyncEngine
 from eaglet.errors import RequestFailedError
 
 POISON = 77  # a prompt starting with this token makes the injected fault fire
@@ -70,19 +71,21 @@ def test_stream_of_a_failed_request_raises_and_others_complete(models):
     inject_prefill_fault(llm)
     good_prompt = {"prompt_token_ids": list(range(40, 50))}
 
+    async_engine = AsyncEngine(llm.engine)
+
     async def main():
         first_token = asyncio.Event()
 
         async def good():
             last = None
-            async for out in llm.engine.generate_stream(good_prompt, greedy(12)):
+            async for out in async_engine.generate_stream(good_prompt, greedy(12)):
                 first_token.set()
                 last = out
             return last
 
         async def bad():
             await first_token.wait()  # the good request is decoding when the bad one is prefilled
-            async for _ in llm.engine.generate_stream({"prompt_token_ids": [POISON, 3]}, greedy(12)):
+            async for _ in async_engine.generate_stream({"prompt_token_ids": [POISON, 3]}, greedy(12)):
                 pass
 
         return await asyncio.gather(good(), bad(), return_exceptions=True)
@@ -90,5 +93,5 @@ def test_stream_of_a_failed_request_raises_and_others_complete(models):
     good, bad = asyncio.run(main())
     assert isinstance(bad, RequestFailedError)
     assert good.finish_reason == "length" and len(good.token_ids) == 12
-    assert llm.engine._async.call(lambda e: e.num_free_blocks()).result(timeout=30) == llm.engine.cache.allocator.num_usable
-    llm.engine._async.shutdown()
+    assert async_engine.call(lambda e: e.num_free_blocks()).result(timeout=30) == llm.engine.cache.allocator.num_usable
+    async_engine.shutdown()

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from eaglet.engine.kv_cache import BlockAllocator, KVCacheManager
+from eaglet.runtime.kv_cache import BlockAllocator, KVCacheManager
 from eaglet.engine.prefix_cache import PrefixCache, block_keys, image_content_hash, image_spans
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
 

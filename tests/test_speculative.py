@@ -6,7 +6,7 @@ from runtime_utils import greedy, make_image
 from spec_fixtures import IMAGE_TOKEN, draft_for, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
-from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.engine.request import Request
 from eaglet.layers.linear import should_pack
 

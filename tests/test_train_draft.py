@@ -16,8 +16,8 @@ from spec_fixtures import echo_text_target
 
 from eaglet import LLM
 from eaglet.cli import main as cli_main
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.layers.norms import RMSNorm
 from eaglet.models.eagle3 import Eagle3Draft, load_eagle3_draft
 from eaglet.models.registry import load_model

@@ -14,7 +14,7 @@ import torch
 
 from eaglet import kernels
 from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.engine.request import Request, RequestOutput, RequestStatus, record_logprobs
@@ -134,7 +134,6 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._async = None  # AsyncEngine, created by the first generate_stream
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None) -> str:
@@ -421,19 +420,6 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None:
             self._finish(req, "abort")
-
-    async def generate_stream(self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None):
-        """Streams one request's outputs while the engine serves others (see AsyncEngine).
-
-        The first call starts the engine's stepping thread; from then on drive the engine only
-        through streams (not step()).
-        """
-        from eaglet.engine.async_engine import AsyncEngine
-
-        if self._async is None:
-            self._async = AsyncEngine(self)
-        async for out in self._async.generate_stream(prompt, params, request_id):
-            yield out
 
     def output_of(self, req: Request, with_text: bool = True) -> RequestOutput:
         """The request's output so far; unfinished text holds back a possible partial stop string

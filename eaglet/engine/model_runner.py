@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from eaglet.config import ModelConfig
-from eaglet.engine.forward_batch import ForwardBatch
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.engine.request import Request, record_prompt_logprobs
 from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.models.deepseek_v3 import ForwardOutput

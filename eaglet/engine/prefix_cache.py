@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eaglet.engine.kv_cache import BlockAllocator
+from eaglet.runtime.kv_cache import BlockAllocator
 from eaglet.multimodal.inputs import MultimodalInputs
 
 BlockKey = tuple

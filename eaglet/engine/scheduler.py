@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.engine.prefix_cache import PrefixCache, block_keys, image_spans
 from eaglet.engine.request import Request, RequestStatus
 

@@ -30,7 +30,7 @@ from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.models.eagle3 import Eagle3DecoderLayer
 
 if TYPE_CHECKING:
-    from eaglet.engine.forward_batch import ForwardBatch
+    from eaglet.runtime.forward_batch import ForwardBatch
     from eaglet.layers.attention_backend import AttentionBackend
     from eaglet.models.deepseek_v3 import DecoderLayer, DeepseekV3Model
     from eaglet.models.eagle3 import Eagle3Draft

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
-from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager, LatentKVPool
 from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
 
 MIN_SOFTMAX_KEYS = 16

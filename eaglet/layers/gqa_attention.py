@@ -1,7 +1,7 @@
 """Grouped-query attention (Llama layout) over the paged cache, for Llama-style EAGLE-3 drafts.
 
 The draft keeps its own K/V buffers (:class:`GQAKVPool`) indexed by the slot space the target uses
-(see ``eaglet/engine/kv_cache.py``), so a slot's draft entry and target entry describe the same
+(see ``eaglet/runtime/kv_cache.py``), so a slot's draft entry and target entry describe the same
 position. :class:`TorchNativeGQABackend` writes the new tokens' K/V and attends over each request's
 row of the request-to-slots table, vectorised over requests (queries and keys padded per request).
 """
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from eaglet.config import RopeConfig
-from eaglet.engine.forward_batch import ForwardBatch
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.layers.linear import linear
 from eaglet.layers.rotary import RotaryEmbedding
 

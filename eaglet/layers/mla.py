@@ -13,7 +13,7 @@ from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding, softmax_scale
 
 if TYPE_CHECKING:
-    from eaglet.engine.forward_batch import ForwardBatch
+    from eaglet.runtime.forward_batch import ForwardBatch
     from eaglet.layers.attention_backend import AttentionBackend
 
 

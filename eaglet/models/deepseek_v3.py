@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from eaglet.config import TextConfig
-from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.layers.linear import logits_argmax, logits_linear
 from eaglet.layers.mla import MLAAttention

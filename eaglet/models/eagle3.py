@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from eaglet.config import ModelConfig, TextConfig, parse_text_config, read_config_json
-from eaglet.engine.forward_batch import ForwardBatch
-from eaglet.engine.kv_cache import KVCacheManager, LatentKVPool
+from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.runtime.kv_cache import KVCacheManager, LatentKVPool
 from eaglet.errors import CheckpointError, ConfigError
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.gqa_attention import (

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from eaglet.config import ModelConfig
-from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
 from eaglet.models.kimi_k25_vision import KimiProjector, KimiVisionTower

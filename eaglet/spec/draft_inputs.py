@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglet.engine.forward_batch import ForwardBatch
+from eaglet.runtime.forward_batch import ForwardBatch
 
 
 def rotate_segments(batch: ForwardBatch, values: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:

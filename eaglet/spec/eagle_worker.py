@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode, long_tensor
-from eaglet.engine.kv_cache import KVCacheManager
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode, long_tensor
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.engine.model_runner import ModelRunner
 from eaglet.engine.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglet import kernels
-from eaglet.engine.forward_batch import long_tensor
+from eaglet.runtime.forward_batch import long_tensor
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eaglet.engine.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.layers.gqa_attention import GQAAttention
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU

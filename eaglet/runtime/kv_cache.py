@@ -25,7 +25,7 @@ from collections import deque
 import torch
 
 from eaglet import kernels
-from eaglet.engine.forward_batch import long_tensor
+from eaglet.runtime.forward_batch import long_tensor
 
 from eaglet.errors import EagletError
 
