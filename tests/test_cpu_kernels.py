@@ -93,7 +93,7 @@ def test_rms_norm_keeps_pytorch_under_autograd():
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_equals_pytorch_bit_for_bit(interleave, dtype, rope_dim):
-    from eaglet.config import RopeConfig
+    from eaglet.layers.rotary import RopeConfig
 
     rotary = RotaryEmbedding(rope_dim, RopeConfig(rope_type="default", theta=10000.0), interleave)
     g = torch.Generator().manual_seed(2)

@@ -14,11 +14,12 @@ from draft_checkpoints import write_eagle3_draft
 from safetensors.torch import load_file, save_file
 
 from eaglet import kernels
-from eaglet.config import parse_model_config
+from eaglet.models.registry import parse_model_config
 from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.errors import CheckpointError, ConfigError
-from eaglet.models.eagle3 import Eagle3Config, load_eagle3_draft
+from eaglet.models.eagle3 import load_eagle3_draft
+from eaglet.models.eagle3_config import Eagle3Config
 from eaglet.models.registry import load_model
 
 AUX = [0, 1, 2]  # the tiny targets have 3 layers

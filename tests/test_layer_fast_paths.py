@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglet.config import parse_text_config
+from eaglet.models.config import parse_text_config
 from eaglet.layers.cpu_policy import auto_dtype, has_native_bf16, packs_float32
 from eaglet.layers.linear import (
     EXACT_ROWS,
@@ -112,7 +112,7 @@ def test_rms_norm_equals_the_reference_formula_bit_for_bit(dtype):
 
 
 def test_rotating_query_and_key_together_equals_rotating_each():
-    from eaglet.config import RopeConfig
+    from eaglet.layers.rotary import RopeConfig
     from eaglet.layers.rotary import RotaryEmbedding
 
     generator = torch.Generator().manual_seed(6)

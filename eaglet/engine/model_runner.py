@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eaglet.config import ModelConfig
+from eaglet.models.config import ModelConfig
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.engine.request import Request, record_prompt_logprobs

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from eaglet.config import TextConfig
+from eaglet.models.config import TextConfig
 from eaglet.layers.attention_backend import FusedCPUMLABackend
 from eaglet.layers.linear import PADDED_MAX_ROWS, amx_tiles
 from eaglet.layers.mla import MLAAttention

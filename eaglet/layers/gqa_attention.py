@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eaglet.config import RopeConfig
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.layers.linear import linear
-from eaglet.layers.rotary import RotaryEmbedding
+from eaglet.layers.rotary import RopeConfig, RotaryEmbedding
 
 
 @dataclass(frozen=True)

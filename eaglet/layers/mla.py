@@ -2,19 +2,36 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from eaglet.config import TextConfig
 from eaglet.layers.linear import linear
 from eaglet.layers.norms import RMSNorm
-from eaglet.layers.rotary import RotaryEmbedding, softmax_scale
+from eaglet.layers.rotary import RopeConfig, RotaryEmbedding, softmax_scale
 
 if TYPE_CHECKING:
     from eaglet.runtime.forward_batch import ForwardBatch
     from eaglet.layers.attention_backend import AttentionBackend
+
+
+class MLAConfig(Protocol):
+    """What an MLA layer reads of a model's config (DeepSeek-V3's TextConfig has it)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    rope: RopeConfig
+
+    @property
+    def qk_head_dim(self) -> int: ...
 
 
 class MLAAttention(nn.Module):
@@ -24,7 +41,7 @@ class MLAAttention(nn.Module):
     only for an EAGLE-3 MLA draft, whose q_a / kv_a projections read the 2*hidden concatenation.
     """
 
-    def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
+    def __init__(self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
         super().__init__()
         input_size = input_size or config.hidden_size
         self.layer_id = layer_id

@@ -1,11 +1,26 @@
 """DeepSeek-V3 feed-forward blocks: the dense SwiGLU MLP and the routed mixture of experts."""
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet.config import TextConfig
 from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
+
+
+class MoEConfig(Protocol):
+    """What the MoE block reads of a model's config (DeepSeek-V3's TextConfig has it)."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 class SwiGLU(nn.Module):
@@ -45,7 +60,7 @@ class SwiGLU(nn.Module):
 class NoAuxRouter(nn.Module):
     """Sigmoid scores, selection biased by e_score_correction_bias within the best expert groups."""
 
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         num_experts = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
@@ -193,7 +208,7 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.gate = NoAuxRouter(config)
         self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)

@@ -1,11 +1,24 @@
 """Rotary position embedding for the rope part of MLA heads, with YaRN scaling."""
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from eaglet.config import RopeConfig
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from eaglet.config import TextConfig
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.layers.linear import logits_argmax, logits_linear
@@ -21,9 +20,16 @@ from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
+from eaglet.models.config import ModelConfig, TextConfig, parse_text_config, refuse_quantization
 
 if TYPE_CHECKING:
     from eaglet.kernels.decoder_stack import FusedDecoderStack
+
+
+def parse_deepseek_v3_config(raw: dict) -> ModelConfig:
+    """A DeepSeek-V3 / Kimi-K2 config.json."""
+    refuse_quantization(raw)
+    return ModelConfig(raw.get("model_type", "deepseek_v3"), parse_text_config(raw, where="config"), raw=raw)
 
 
 @dataclass
@@ -98,6 +104,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = config
         self.model = DeepseekV3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> DeepseekV3ForCausalLM:
+        return cls(config.text)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

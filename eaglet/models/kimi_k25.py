@@ -13,11 +13,37 @@ import re
 import torch
 from torch import nn
 
-from eaglet.config import ModelConfig
-from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.errors import ConfigError
 from eaglet.layers.attention_backend import AttentionBackend
+from eaglet.models.config import ModelConfig, parse_text_config, refuse_quantization
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
-from eaglet.models.kimi_k25_vision import KimiProjector, KimiVisionTower
+from eaglet.models.kimi_k25_vision import KimiProjector, KimiVisionConfig, KimiVisionTower
+from eaglet.runtime.forward_batch import ForwardBatch
+
+
+def parse_kimi_k25_config(raw: dict) -> ModelConfig:
+    """A Kimi-K2.5 config.json: the DeepSeek-V3 ``text_config``, the vision tower's, the placeholder id."""
+    refuse_quantization(raw)
+    text_raw = raw.get("text_config")
+    if not isinstance(text_raw, dict):
+        raise ConfigError("kimi_k25 config: 'text_config' must be an object")
+    refuse_quantization(text_raw)
+    text = parse_text_config(text_raw, where="text_config")
+    image_token_id = raw.get("media_placeholder_token_id", raw.get("image_token_id"))
+    if image_token_id is None:
+        image_token_id = text_raw.get("media_placeholder_token_id")
+    if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
+        raise ConfigError(
+            f"kimi_k25 config: media_placeholder_token_id / image_token_id must be a token id "
+            f"below vocab_size {text.vocab_size}, got {image_token_id!r}"
+        )
+    vision = KimiVisionConfig.from_hf(raw)
+    if vision.text_hidden_size != text.hidden_size:
+        raise ConfigError(
+            f"kimi_k25 config: projector output size {vision.text_hidden_size} != "
+            f"text hidden_size {text.hidden_size}"
+        )
+    return ModelConfig("kimi_k25", text, vision, image_token_id, raw)
 
 
 class KimiK25ForConditionalGeneration(nn.Module):
@@ -27,6 +53,10 @@ class KimiK25ForConditionalGeneration(nn.Module):
         self.vision_tower = KimiVisionTower(config.vision)
         self.mm_projector = KimiProjector(config.vision)
         self.language_model = DeepseekV3ForCausalLM(config.text)
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> KimiK25ForConditionalGeneration:
+        return cls(config)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

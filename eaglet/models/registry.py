@@ -1,17 +1,57 @@
-"""Which model class runs which checkpoint, and how to build and load one."""
+"""Which model class runs which checkpoint, and how to build and load one.
+
+A target architecture is one model file plus one line in ``MODELS``: its ``model_type`` (as
+config.json spells it), the class (built by ``from_model_config``), the config.json parser, and the
+weight loader (the shared one, ``loader.load_weights``, unless the model needs its own).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from eaglet.config import ModelConfig, load_model_config
+from eaglet.errors import ConfigError
 from eaglet.layers.cpu_policy import auto_dtype
+from eaglet.models.config import ModelConfig, read_config_json
+from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, parse_deepseek_v3_config
+from eaglet.models.kimi_k25 import KimiK25ForConditionalGeneration, parse_kimi_k25_config
 from eaglet.models.loader import load_weights, skip_init
 
+
+@dataclass(frozen=True)
+class ModelEntry:
+    model_class: type[nn.Module]  # with a from_model_config(ModelConfig) constructor
+    parse_config: Callable[[dict], ModelConfig]
+    load_weights: Callable[..., None] = load_weights
+
+
+MODELS: dict[str, ModelEntry] = {
+    "deepseek_v3": ModelEntry(DeepseekV3ForCausalLM, parse_deepseek_v3_config),
+    "kimi_k2": ModelEntry(DeepseekV3ForCausalLM, parse_deepseek_v3_config),
+    "kimi_k25": ModelEntry(KimiK25ForConditionalGeneration, parse_kimi_k25_config),
+}
+
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def entry_for(raw: dict) -> ModelEntry:
+    model_type = raw.get("model_type")
+    if model_type not in MODELS:
+        raise ConfigError(f"unsupported model_type {model_type!r}; eaglet runs {', '.join(MODELS)}")
+    return MODELS[model_type]
+
+
+def parse_model_config(raw: dict) -> ModelConfig:
+    """The ModelConfig of a config.json's contents, by its model_type's parser."""
+    return entry_for(raw).parse_config(raw)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    return parse_model_config(read_config_json(model_dir))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -29,21 +69,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def build_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
     with skip_init(dtype):
-        if config.architecture == "kimi_k25":
-            from eaglet.models.kimi_k25 import KimiK25ForConditionalGeneration
-
-            model: nn.Module = KimiK25ForConditionalGeneration(config)
-        else:
-            from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM
-
-            model = DeepseekV3ForCausalLM(config.text)
+        model = MODELS[config.architecture].model_class.from_model_config(config)
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval()
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", show_progress: bool = True) -> tuple[nn.Module, ModelConfig]:
-    config = load_model_config(model_dir)
+    raw = read_config_json(model_dir)
+    entry = entry_for(raw)
+    config = entry.parse_config(raw)
     model = build_model(config, resolve_dtype(dtype))
-    load_weights(model, model_dir, show_progress=show_progress)
+    entry.load_weights(model, model_dir, show_progress=show_progress)
     return model, config

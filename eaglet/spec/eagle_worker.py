@@ -37,7 +37,8 @@ from eaglet.engine.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import shaped_probs
 from eaglet.models.deepseek_v3 import ForwardOutput
-from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
+from eaglet.models.eagle3 import Eagle3Draft
+from eaglet.models.eagle3_config import Eagle3Config
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer

@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from eaglet.config import ModelConfig
+from eaglet.models.config import ModelConfig
 from eaglet.layers.norms import RMSNorm
-from eaglet.models.eagle3 import Eagle3Config, Eagle3Draft
+from eaglet.models.eagle3 import Eagle3Draft
+from eaglet.models.eagle3_config import Eagle3Config
 from eaglet.train.vocab import HotVocab
 
 ARCHITECTURES = {"mla": "Eagle3DeepseekV2ForCausalLM", "llama": "LlamaForCausalLMEagle3"}

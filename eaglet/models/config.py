@@ -1,4 +1,4 @@
-"""Model configuration read from a checkpoint's config.json.
+"""The DeepSeek-V3 text configuration read from a checkpoint's config.json, shared by the models.
 
 Accepts the published spellings (DeepSeek-V3, Kimi-K2 / Kimi-K2.5 as released) and the ones
 transformers 5 writes (``rope_parameters``, ``image_token_id``, ...). Anything eaglet does not
@@ -13,23 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.errors import ConfigError
-
-TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-MULTIMODAL_MODEL_TYPES = ("kimi_k25",)
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str  # "default" or "yarn"
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
+from eaglet.layers.rotary import RopeConfig
 
 
 @dataclass(frozen=True)
@@ -81,7 +65,7 @@ class TextConfig:
 class ModelConfig:
     """What the runtime needs to build a model: the text config, and for Kimi-K2.5 the vision part."""
 
-    architecture: str  # "deepseek_v3" or "kimi_k25"
+    architecture: str  # config.json's model_type, the key of models/registry.py's MODELS
     text: TextConfig
     vision: Any = None  # KimiVisionConfig for kimi_k25
     image_token_id: int | None = None
@@ -105,45 +89,7 @@ def read_config_json(model_dir: str | Path, kind: str = "Hugging Face model") ->
     return raw
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    return parse_model_config(read_config_json(model_dir))
-
-
-def parse_model_config(raw: dict) -> ModelConfig:
-    _refuse_quantization(raw)
-    model_type = raw.get("model_type")
-    if model_type in MULTIMODAL_MODEL_TYPES:
-        from eaglet.models.kimi_k25_vision import KimiVisionConfig
-
-        text_raw = raw.get("text_config")
-        if not isinstance(text_raw, dict):
-            raise ConfigError("kimi_k25 config: 'text_config' must be an object")
-        _refuse_quantization(text_raw)
-        text = parse_text_config(text_raw, where="text_config")
-        image_token_id = raw.get("media_placeholder_token_id", raw.get("image_token_id"))
-        if image_token_id is None:
-            image_token_id = text_raw.get("media_placeholder_token_id")
-        if not isinstance(image_token_id, int) or not 0 <= image_token_id < text.vocab_size:
-            raise ConfigError(
-                f"kimi_k25 config: media_placeholder_token_id / image_token_id must be a token id "
-                f"below vocab_size {text.vocab_size}, got {image_token_id!r}"
-            )
-        vision = KimiVisionConfig.from_hf(raw)
-        if vision.text_hidden_size != text.hidden_size:
-            raise ConfigError(
-                f"kimi_k25 config: projector output size {vision.text_hidden_size} != "
-                f"text hidden_size {text.hidden_size}"
-            )
-        return ModelConfig("kimi_k25", text, vision, image_token_id, raw)
-    if model_type in TEXT_MODEL_TYPES:
-        return ModelConfig("deepseek_v3", parse_text_config(raw, where="config"), raw=raw)
-    raise ConfigError(
-        f"unsupported model_type {model_type!r}; eaglet runs "
-        f"{', '.join(TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES)}"
-    )
-
-
-def _refuse_quantization(raw: dict) -> None:
+def refuse_quantization(raw: dict) -> None:
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
