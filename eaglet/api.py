@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from eaglet.engine.engine import Engine, EngineConfig
-from eaglet.engine.request import RequestOutput
+from eaglet.executor.request import RequestOutput
 from eaglet.errors import RequestFailedError
 from eaglet.sampling_params import SamplingParams
 

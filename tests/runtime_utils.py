@@ -8,7 +8,7 @@ from PIL import Image
 
 from eaglet import LLM
 from eaglet.engine.engine import Engine
-from eaglet.engine.request import Request
+from eaglet.executor.request import Request
 from eaglet.sampling_params import SamplingParams
 
 

@@ -78,7 +78,7 @@ def test_captured_layers_are_the_residual_stream_after_each_layer(checkpoint):
     reference = load_reference_deepseek_v3(checkpoint)
     prompt = PROMPTS[0]
     engine = llm.engine
-    from eaglet.engine.request import Request
+    from eaglet.executor.request import Request
     from eaglet.sampling_params import SamplingParams
 
     req = Request("aux", prompt, SamplingParams(max_new_tokens=1))

@@ -16,7 +16,7 @@ from spec_fixtures import IMAGE_TOKEN, draft_for
 import eaglet.spec.eagle_worker as eagle_worker
 from eaglet import LLM
 from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.engine.request import Request
+from eaglet.executor.request import Request
 from eaglet.sampling_params import SamplingParams
 from eaglet.spec.draft_inputs import rotate_segments
 

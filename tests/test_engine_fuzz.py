@@ -35,7 +35,7 @@ from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.engine.engine import Engine
-from eaglet.engine.request import Request, RequestOutput
+from eaglet.executor.request import Request, RequestOutput
 from eaglet.spec.config import SpeculativeConfig
 
 EOS = 1  # the tiny checkpoints' eos_token_id

@@ -8,7 +8,7 @@ from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.engine.engine import Engine
-from eaglet.engine.request import RequestOutput
+from eaglet.executor.request import RequestOutput
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from spec_fixtures import IMAGE_TOKEN, draft_for, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.engine.request import Request
+from eaglet.executor.request import Request
 from eaglet.layers.linear import should_pack
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from eaglet.engine.engine import Engine
-from eaglet.engine.request import RequestOutput
+from eaglet.executor.request import RequestOutput
 from eaglet.errors import RequestFailedError
 from eaglet.sampling_params import SamplingParams
 

@@ -15,9 +15,9 @@ import torch
 from eaglet import kernels
 from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from eaglet.runtime.kv_cache import KVCacheManager
-from eaglet.engine.model_runner import ModelRunner
+from eaglet.executor.model_runner import ModelRunner
 from eaglet.engine.prefix_cache import PrefixCache
-from eaglet.engine.request import Request, RequestOutput, RequestStatus, record_logprobs
+from eaglet.executor.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
 from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.engine.prefix_cache import PrefixCache, block_keys, image_spans
-from eaglet.engine.request import Request, RequestStatus
+from eaglet.executor.request import Request, RequestStatus
 
 
 @dataclass

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from eaglet.engine.async_engine import AsyncEngine
-from eaglet.engine.request import RequestOutput, TokenLogprob
+from eaglet.executor.request import RequestOutput, TokenLogprob
 from eaglet.errors import InvalidRequestError
 from eaglet.multimodal.image_processor import load_image
 from eaglet.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ import logging
 import time
 
 from eaglet.engine.engine import Engine
-from eaglet.engine.request import RequestOutput
+from eaglet.executor.request import RequestOutput
 from eaglet.server.metrics import snapshot_engine
 
 logger = logging.getLogger("eaglet.stats")

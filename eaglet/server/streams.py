@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from eaglet.engine.async_engine import AsyncEngine
-from eaglet.engine.request import RequestOutput
+from eaglet.executor.request import RequestOutput
 from eaglet.sampling_params import SamplingParams
 from eaglet.server.metrics import RequestTimer, ServerMetrics
 

@@ -32,8 +32,8 @@ import torch
 
 from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode, long_tensor
 from eaglet.runtime.kv_cache import KVCacheManager
-from eaglet.engine.model_runner import ModelRunner
-from eaglet.engine.request import Request, record_logprobs
+from eaglet.executor.model_runner import ModelRunner
+from eaglet.executor.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import shaped_probs
 from eaglet.models.deepseek_v3 import ForwardOutput

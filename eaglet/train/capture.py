@@ -37,7 +37,7 @@ import torch
 
 from eaglet.api import LLM
 from eaglet.engine.engine import Engine
-from eaglet.engine.request import Request
+from eaglet.executor.request import Request
 from eaglet.sampling_params import SamplingParams
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.train.vocab import HotVocab

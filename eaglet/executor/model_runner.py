@@ -8,7 +8,7 @@ from torch import nn
 from eaglet.models.config import ModelConfig
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.runtime.kv_cache import KVCacheManager
-from eaglet.engine.request import Request, record_prompt_logprobs
+from eaglet.executor.request import Request, record_prompt_logprobs
 from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.multimodal.embedding import merge_image_features
