@@ -5,10 +5,13 @@ import torch
 from checkpoints import write_deepseek_v3_checkpoint
 from runtime_utils import greedy, prompt_logits
 
-from eaglet import LLM, kernels
+from eaglet import LLM
+from eaglet.backends import Backend, torch_backend
+from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
 from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
-from eaglet.runtime.kv_cache import BlockAllocator, KVCacheManager, OutOfCacheBlocks
-from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
+from eaglet.runtime.kv_cache import BlockAllocator, KVCacheManager, LatentKVPool, OutOfCacheBlocks
+
+TORCH_CACHE_OPS = torch_backend().cache
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,8 @@ def test_allocator_refcounts_and_double_free():
 
 def test_grow_truncate_free_row_slots():
     cache = KVCacheManager(
-        num_layers=1, kv_cache_dim=4, num_blocks=5, block_size=4, max_requests=2, max_context_len=16, dtype=torch.float32
+        num_layers=1, kv_cache_dim=4, num_blocks=5, block_size=4, max_requests=2, max_context_len=16, dtype=torch.float32,
+        ops=TORCH_CACHE_OPS,
     )
     row = cache.alloc_row()
     first = cache.grow(row, 6)
@@ -64,16 +68,12 @@ def assert_table_covers_blocks(cache: KVCacheManager) -> None:
         assert cache.req_to_token[row].tolist() == expected + [0] * (width - len(expected))
 
 
-@pytest.mark.parametrize("use_kernels", [
-    pytest.param(True, marks=pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")), False,
-], ids=["kernel", "python"])
-def test_the_table_is_written_a_block_at_a_time(use_kernels, monkeypatch):
-    """New blocks' table entries (write_block_entries where the kernels are loaded, else entries
-    through _write_table), against the blocks the rows hold, over random growth and cuts."""
-    if not use_kernels:
-        monkeypatch.setattr(kernels, "loaded", lambda: False)
+def test_the_table_is_written_a_block_at_a_time(backend: Backend):
+    """New blocks' table entries (each backend's write_block_entries), against the blocks the rows
+    hold, over random growth and cuts."""
     cache = KVCacheManager(
-        num_layers=1, kv_cache_dim=4, num_blocks=30, block_size=4, max_requests=3, max_context_len=18, dtype=torch.float32
+        num_layers=1, kv_cache_dim=4, num_blocks=30, block_size=4, max_requests=3, max_context_len=18, dtype=torch.float32,
+        ops=backend.cache,
     )
     g = torch.Generator().manual_seed(0)
     rows = [cache.alloc_row() for _ in range(3)]
@@ -103,7 +103,7 @@ def test_the_table_is_written_a_block_at_a_time(use_kernels, monkeypatch):
     adopted = cache.allocator.allocate(2)  # as a prefix-cache hit hands them over
     cache.adopt_blocks(cache.alloc_row(), adopted, 8)
     assert_table_covers_blocks(cache)
-    if use_kernels:  # a block outside the table: a precise error, nothing written
+    if backend.kernels:  # a block outside the table: a precise error, nothing written
         before = cache.req_to_token.clone()
         for bad, message in (([1, 5, 3], "block 3 at index 5 of row 1"), ([3, 0, 3], "block 3 at index 0 of row 3"),
                              ([-1, 0, 3], "block 3 at index 0 of row -1"), ([1, 0, -2], "block -2 at index 0 of row 1")):
@@ -112,9 +112,9 @@ def test_the_table_is_written_a_block_at_a_time(use_kernels, monkeypatch):
         assert torch.equal(before, cache.req_to_token)
 
 
-def _three_row_cache() -> KVCacheManager:
+def _three_row_cache(backend: Backend | None = None) -> KVCacheManager:
     return KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=40, block_size=4, max_requests=3,
-                          max_context_len=32, dtype=torch.float32)
+                          max_context_len=32, dtype=torch.float32, ops=(backend or torch_backend()).cache)
 
 
 def test_growing_and_truncating_several_rows_at_once_equals_doing_each():
@@ -173,7 +173,7 @@ def test_decode_steps_in_absorbed_form_match_decompressed(llm):
                 extend_seq_lens=[len(p) for p in prompts],
                 out_cache_loc=torch.cat(slots),
             )
-            engine.model(prefill, engine.runner.backend)
+            engine.model(prefill, engine.runner.attention)
             next_ids = [11, 12, 13]
             decode_slots = torch.cat([cache.grow(r, len(p) + 1) for r, p in zip(rows, prompts)])
             kwargs = dict(
@@ -183,16 +183,16 @@ def test_decode_steps_in_absorbed_form_match_decompressed(llm):
                 extend_seq_lens=[1, 1, 1],
                 out_cache_loc=decode_slots,
             )
-            absorbed = engine.model(ForwardBatch.build(**kwargs), TorchNativeMLABackend(cache)).logits
-            decompressed = engine.model(ForwardBatch.build(mode=ForwardMode.EXTEND, **kwargs), engine.runner.backend).logits
+            absorbed = engine.model(ForwardBatch.build(**kwargs), TorchMLAAttention(cache)).logits
+            decompressed = engine.model(ForwardBatch.build(mode=ForwardMode.EXTEND, **kwargs), engine.runner.attention).logits
             # A multi-token extend in the absorbed form too (the path speculative verify uses).
-            forced = TorchNativeMLABackend(cache, absorbed_extend=True)
+            forced = TorchMLAAttention(cache, absorbed_extend=True)
             for r, p in zip(rows, prompts):
                 cache.truncate(r, 0)
             slots = [cache.grow(r, len(p)) for r, p in zip(rows, prompts)]
             prefill.out_cache_loc = torch.cat(slots)
             absorbed_prefill = engine.model(prefill, forced).logits
-            decompressed_prefill = engine.model(prefill, engine.runner.backend).logits
+            decompressed_prefill = engine.model(prefill, engine.runner.attention).logits
     finally:
         for r in rows:
             cache.free_row(r)
@@ -214,19 +214,16 @@ def mla_llm(tmp_path_factory):
 
 
 @pytest.mark.parametrize("num_new", [2, 4, 8])
-@pytest.mark.parametrize("backend_class", [TorchNativeMLABackend, FusedCPUMLABackend], ids=["pytorch-ops", "kernel"])
-def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_beside_it(mla_llm, num_new, backend_class):
+def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_beside_it(mla_llm, num_new, backend: Backend):
     """The first of ``num_new`` verified tokens of each request equals the same token decoded alone,
     bit for bit, in float32: greedy speculation needs the verify pass to reproduce plain decoding,
-    and MKL rounds one row of a product differently from several (layers/linear.py, MIN_BMM_ROWS).
+    and MKL rounds one row of a product differently from several (backends/pytorch/gemm_rows.py, MIN_BMM_ROWS).
     The padding is measured for these sizes: for other shapes MKL's kernel choice can still depend
     on the row count (noted in the README)."""
     engine = mla_llm.engine
     cache = engine.cache
     layer = engine.model.model.layers[0].self_attn
-    if backend_class is FusedCPUMLABackend and not kernels.available():
-        pytest.skip(f"kernels not built: {kernels.unavailable_reason()}")
-    backend = backend_class(cache)
+    attention = backend.mla_attention(cache, None)
     prefix_lens = [21, 40, 17]
     rows = [cache.alloc_row() for _ in prefix_lens]
     g = torch.Generator().manual_seed(num_new)
@@ -251,7 +248,7 @@ def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_besi
             out_cache_loc=slots,
             mode=ForwardMode.DECODE if num_tokens_each == 1 else ForwardMode.VERIFY,
         )
-        out = backend.forward(layer, inputs["q_nope"], inputs["q_pe"], inputs["c_kv"], inputs["k_pe"], batch)
+        out = attention.forward(layer, inputs["q_nope"], inputs["q_pe"], inputs["c_kv"], inputs["k_pe"], batch)
         for r, p in zip(rows, prefix_lens):
             cache.truncate(r, p)
         return out[::num_tokens_each]
@@ -260,7 +257,7 @@ def test_absorbed_attention_gives_a_token_the_same_bits_whatever_the_tokens_besi
         with torch.inference_mode():
             for r, p in zip(rows, prefix_lens):
                 slots = cache.grow(r, p)
-                backend.pool.write(layer.layer_id, slots, torch.randn(p, latent, generator=g), torch.randn(p, rope, generator=g))
+                attention.pool.write(layer.layer_id, slots, torch.randn(p, latent, generator=g), torch.randn(p, rope, generator=g))
             first = {"q_nope": torch.randn(len(rows), heads, layer.qk_nope_head_dim, generator=g),
                      "q_pe": torch.randn(len(rows), heads, rope, generator=g),
                      "c_kv": torch.randn(len(rows), latent, generator=g),
@@ -370,18 +367,12 @@ def test_ragged_batch_equals_build():
             ragged_batch(**changes)
 
 
-@pytest.mark.parametrize("use_kernels", [
-    pytest.param(True, marks=pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")), False,
-], ids=["kernel", "python"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_copy_slots_equals_indexing(dtype, use_kernels, monkeypatch):
-    """LatentKVPool.copy_slots (copy_cache_slots, or the masked indexing without the kernels)
-    against kv[:, dst] = kv[:, src]: sources read before any write (a slot that is both a source
-    and a destination), entries in place skipped; bad slots raise, nothing written."""
-    from eaglet.runtime.kv_cache import LatentKVPool
-
-    if not use_kernels:
-        monkeypatch.setattr(kernels, "loaded", lambda: False)
+def test_copy_slots_equals_indexing(dtype, backend: Backend):
+    """Each backend's copy_slots against kv[:, dst] = kv[:, src]: sources read before any write (a
+    slot that is both a source and a destination), entries in place skipped; bad slots raise,
+    nothing written."""
+    cache = _three_row_cache(backend)
 
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -394,35 +385,30 @@ def test_copy_slots_equals_indexing(dtype, use_kernels, monkeypatch):
         dst = torch.cat([perm[n // 2 : n // 2 + n], perm[2 * n : 2 * n + 1]])
         expected = pool.kv.clone()
         expected[:, dst] = expected[:, src]
-        pool.copy_slots(src, dst)
+        cache.copy_slots(pool, src, dst)
         assert torch.equal(pool.kv, expected)
-    if not use_kernels:
+    if not backend.kernels:
         return
     before = pool.kv.clone()
     with pytest.raises(RuntimeError, match="copy_cache_slots: slot 40 outside 0 .. 39"):
-        pool.copy_slots(torch.tensor([1, 2]), torch.tensor([3, 40]))
+        cache.copy_slots(pool, torch.tensor([1, 2]), torch.tensor([3, 40]))
     with pytest.raises(RuntimeError, match="copy_cache_slots: slot -1 outside 0 .. 39"):
-        pool.copy_slots(torch.tensor([1, -1]), torch.tensor([3, 4]))
+        cache.copy_slots(pool, torch.tensor([1, -1]), torch.tensor([3, 4]))
     with pytest.raises(RuntimeError, match="copy_cache_slots: a destination slot appears twice"):
-        pool.copy_slots(torch.tensor([7, 5]), torch.tensor([5, 5]))
+        cache.copy_slots(pool, torch.tensor([7, 5]), torch.tensor([5, 5]))
     assert torch.equal(pool.kv, before)
 
 
-@pytest.mark.parametrize("use_kernels", [
-    pytest.param(True, marks=pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")), False,
-], ids=["kernel", "python"])
-def test_scratch_slots_are_the_table_entries(use_kernels, monkeypatch):
+def test_scratch_slots_are_the_table_entries(backend: Backend):
     """A round's slots: row rows[b]'s table entries at prefix[b] .. prefix[b] + scratch - 1; a window
     past the table raises (the kernel with a precise message)."""
-    if not use_kernels:
-        monkeypatch.setattr(kernels, "loaded", lambda: False)
-    cache = _three_row_cache()
+    cache = _three_row_cache(backend)
     rows = [cache.alloc_row() for _ in range(3)]
     cache.grow_rows(rows, [3, 9, 20])
     rows_t, prefix = torch.tensor([2, 0, 1]), torch.tensor([20, 3, 9])
     slots = cache.scratch_slots(rows_t, prefix, 5)
     assert slots.tolist() == [cache.req_to_token[r, p : p + 5].tolist() for r, p in zip(rows_t.tolist(), prefix.tolist())]
     assert cache.scratch_slots(rows_t, prefix, 0).shape == (3, 0)
-    match = "scratch_slots: row 2 at 30 \\+ 5 outside the table" if use_kernels else None
+    match = "scratch_slots: row 2 at 30 \\+ 5 outside the table" if backend.kernels else None
     with pytest.raises((RuntimeError, IndexError), match=match):
         cache.scratch_slots(torch.tensor([2]), torch.tensor([30]), 5)

@@ -10,13 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from eaglet import kernels
-from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
-from eaglet.runtime.kv_cache import KVCacheManager
-from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
+from eaglet.backends import cpu_backend, torch_backend
+from eaglet.backends.cpu.mla_attention import CpuMLAAttention
+from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
 from eaglet.layers.linear import linear, logits_argmax, logits_linear, pack_for_inference, pack_weight_for_amx
 from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
+
+TORCH_LAYERS = torch_backend().layers
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels not built: {kernels.unavailable_reason()}")
 
@@ -31,12 +35,12 @@ def test_turned_off_by_environment_variable():
 def test_builds_are_cached_per_cpu(monkeypatch, tmp_path):
     """-march=native builds: one made on an AMX Xeon must not load on an AVX512-BF16 EPYC sharing
     the cache directory, nor the other way round."""
-    import eaglet.layers.cpu_policy as cpu_policy
+    import eaglet.backends.cpu_caps as cpu_caps
 
     monkeypatch.setenv("EAGLET_KERNEL_CACHE", str(tmp_path))
     dirs = {}
     for name, flags in {"xeon": {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "epyc": {"avx512f", "avx512_bf16"}}.items():
-        monkeypatch.setattr(cpu_policy, "cpu_flags", lambda flags=frozenset(flags): flags)
+        monkeypatch.setattr(cpu_caps, "cpu_flags", lambda flags=frozenset(flags): flags)
         dirs[name] = kernels._build_dir()
     assert dirs["xeon"] != dirs["epyc"] and all(d.parent == tmp_path for d in dirs.values())
 
@@ -59,14 +63,13 @@ def test_argmax_rejects_what_it_cannot_take():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_pytorch_and_is_row_independent(dtype, hidden):
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(hidden, 1e-6).to(dtype)
-    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
+    weight = torch.randn(hidden, generator=g).to(dtype)
     x = (torch.randn(37, hidden, generator=g) * 3).to(dtype)
+    ops = cpu_backend().layers
     with torch.inference_mode():
-        expected = norm(x)
-        norm.fused = True
-        got = norm(x)
-        alone = torch.cat([norm(x[i : i + 1]) for i in range(x.shape[0])])
+        expected = TORCH_LAYERS.rms_norm(x, weight, 1e-6)
+        got = ops.rms_norm(x, weight, 1e-6)
+        alone = torch.cat([ops.rms_norm(x[i : i + 1], weight, 1e-6) for i in range(x.shape[0])])
     assert got.dtype == dtype and got.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
@@ -77,10 +80,9 @@ def test_rms_norm_matches_pytorch_and_is_row_independent(dtype, hidden):
 
 
 def test_rms_norm_keeps_pytorch_under_autograd():
-    norm = RMSNorm(64, 1e-6)
+    norm = RMSNorm(64, 1e-6, cpu_backend().layers)
     norm.weight.data = torch.ones(64)
     norm.weight.requires_grad_(True)
-    norm.fused = True
     x = torch.randn(3, 64, requires_grad=True)
     norm(x).sum().backward()  # the kernel has no backward: training must take the PyTorch ops
     assert x.grad is not None and norm.weight.grad is not None
@@ -95,7 +97,7 @@ def test_rms_norm_keeps_pytorch_under_autograd():
 def test_rope_equals_pytorch_bit_for_bit(interleave, dtype, rope_dim):
     from eaglet.layers.rotary import RopeConfig
 
-    rotary = RotaryEmbedding(rope_dim, RopeConfig(rope_type="default", theta=10000.0), interleave)
+    rotary = RotaryEmbedding(rope_dim, RopeConfig(rope_type="default", theta=10000.0), interleave, TORCH_LAYERS)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(9, 5, 2 * rope_dim, generator=g).to(dtype)
     q_pe = q[..., rope_dim:]  # the strided slice MLAAttention passes
@@ -103,8 +105,7 @@ def test_rope_equals_pytorch_bit_for_bit(interleave, dtype, rope_dim):
     cos, sin = rotary.cos_sin_as(torch.arange(9) * 7, dtype)
     with torch.inference_mode():
         expected = rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
-        rotary.fused = True
-        got = rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
+        got = cpu_backend().layers.rope_query_key(q_pe, k_pe, cos, sin, interleave)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -147,13 +148,14 @@ ROUTERS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_matches_pytorch_and_is_row_independent(name, dtype):
     g = torch.Generator().manual_seed(1)
-    router = NoAuxRouter(_RouterConfig(**ROUTERS[name]))
-    router.weight.data = torch.randn(router.weight.shape, generator=g)
-    router.e_score_correction_bias.data = torch.randn(router.weight.shape[0], generator=g) * 0.1
+    reference = NoAuxRouter(_RouterConfig(**ROUTERS[name]), TORCH_LAYERS)
+    reference.weight.data = torch.randn(reference.weight.shape, generator=g)
+    reference.e_score_correction_bias.data = torch.randn(reference.weight.shape[0], generator=g) * 0.1
+    router = NoAuxRouter(_RouterConfig(**ROUTERS[name]), cpu_backend().layers)
+    router.load_state_dict(reference.state_dict())
     x = torch.randn(29, router.weight.shape[1], generator=g).to(dtype)
     with torch.inference_mode():
-        expected_w, expected_ids = router(x)
-        router.fused = True
+        expected_w, expected_ids = reference(x)
         got_w, got_ids = router(x)
         alone = [router(x[i : i + 1]) for i in range(x.shape[0])]
     # The same experts per token (order is free: every consumer combines them by expert id).
@@ -166,10 +168,9 @@ def test_router_matches_pytorch_and_is_row_independent(name, dtype):
 
 
 def test_router_rejects_a_top_k_beyond_the_kept_experts():
-    router = NoAuxRouter(_RouterConfig(num_experts_per_tok=9))  # 2 of 4 groups keep 8 experts
+    router = NoAuxRouter(_RouterConfig(num_experts_per_tok=9), cpu_backend().layers)  # 2 of 4 groups keep 8 experts
     router.weight.data.normal_()
     router.e_score_correction_bias.data.zero_()
-    router.fused = True
     with torch.inference_mode(), pytest.raises(RuntimeError, match="top_k out of range"):
         router(torch.randn(2, 96))
 
@@ -322,7 +323,7 @@ DIMS = {"deepseek": (512, 64, 64, 64), "demo": (48, 24, 8, 24)}
 
 
 class _Layer:
-    """The attributes of MLAAttention that a backend reads, at the per-head sizes of ``dims``.
+    """The attributes of MLAAttention that attention reads, at the per-head sizes of ``dims``.
     ``amx``: with the AMX copies of W_UK / W_UV that use_cpu_kernels makes for bfloat16 models
     (the weights are then bfloat16 values, as those taken from a bfloat16 kv_b_proj are)."""
 
@@ -354,7 +355,7 @@ PROJECTIONS = [pytest.param(False, id="fp32-projections"),
 def _cache(dtype: torch.dtype, seed: int = 0, dims: str = "deepseek") -> KVCacheManager:
     latent, _, rope, _ = DIMS[dims]
     cache = KVCacheManager(num_layers=1, kv_cache_dim=latent + rope, num_blocks=64, block_size=8, max_requests=8,
-                           max_context_len=256, dtype=dtype)
+                           max_context_len=256, dtype=dtype, ops=cpu_backend().cache)
     g = torch.Generator().manual_seed(seed)
     cache.target.kv.copy_(torch.randn(cache.target.kv.shape, generator=g).to(dtype))
     return cache
@@ -399,8 +400,8 @@ def test_mla_attention_matches_pytorch(name, dtype, amx, dims):
     batch = _batch(cache, rows, prefix_lens, new_lens)
     q_nope, q_pe = _queries(batch.num_tokens, layer, dtype, seed=2)
     with torch.inference_mode():
-        expected = TorchNativeMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
-        got = FusedCPUMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
+        expected = TorchMLAAttention(cache)._absorbed(layer, q_nope, q_pe, batch)
+        got = CpuMLAAttention(cache)._absorbed(layer, q_nope, q_pe, batch)
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
     if amx:  # q_latent, the probabilities and o rounded to bfloat16 for the tiles: three bfloat16 steps more
@@ -428,8 +429,8 @@ def test_mla_attention_with_a_tree_mask_matches_pytorch(dtype):
     batch = _batch(cache, rows, prefix_lens, [tree] * len(rows), custom_mask=mask)
     q_nope, q_pe = _queries(batch.num_tokens, layer, dtype, seed=4)
     with torch.inference_mode():
-        expected = TorchNativeMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
-        got = FusedCPUMLABackend(cache)._absorbed(layer, q_nope, q_pe, batch)
+        expected = TorchMLAAttention(cache)._absorbed(layer, q_nope, q_pe, batch)
+        got = CpuMLAAttention(cache)._absorbed(layer, q_nope, q_pe, batch)
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
@@ -447,7 +448,7 @@ def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx, dims)
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):
         cache.grow(r, p)
-    backend = FusedCPUMLABackend(cache)
+    backend = CpuMLAAttention(cache)
     batch = _batch(cache, rows, prefix_lens, new_lens)
     q_nope, q_pe = _queries(batch.num_tokens, layer, dtype, seed=6)
     with torch.inference_mode():
@@ -487,7 +488,7 @@ def test_mla_attention_gives_a_tree_node_the_bits_of_its_path_decoded_alone(amx,
         mask[node, [prefix + j for j in path]] = True
     batch = _batch(cache, [row], [prefix], [tree], custom_mask=mask)
     q_nope, q_pe = _queries(tree, layer, dtype, seed=10)
-    backend = FusedCPUMLABackend(cache)
+    backend = CpuMLAAttention(cache)
     with torch.inference_mode():
         together = backend._absorbed(layer, q_nope, q_pe, batch)
         kv = cache.target.kv[0]

@@ -13,7 +13,7 @@ import torch
 from eaglet import LLM, SamplingParams, kernels
 from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.kernels.decoder_stack import FusedMidlayer
-from eaglet.layers.attention_backend import FusedCPUMLABackend
+from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.spec.eagle_worker import DraftState
 from checkpoints import write_deepseek_v3_checkpoint
 from spec_fixtures import echo_draft, echo_text_target
@@ -68,7 +68,7 @@ def _batch(llm: LLM, prefix_lens: list[int], new_lens: list[int], custom_mask: t
 def _both_paths(llm: LLM, batch: ForwardBatch):
     """(stack output, layer-by-layer output, cache after each), from the same starting cache."""
     model, decoder, cache = llm.engine.model, _decoder(llm), llm.engine.cache
-    backend = FusedCPUMLABackend(cache)
+    backend = CpuMLAAttention(cache)
     assert decoder.decoder_stack is not None
     assert backend.absorbed_inputs(batch) is not None
     before = cache.target.kv.clone()
@@ -110,7 +110,7 @@ def test_ragged_decode_matches_the_layer_path(llm):
 def test_profiler_sees_each_step_of_every_layer(llm):
     """The stack calls its kernels directly; its profiler ranges are what torch.profiler shows of a forward."""
     batch = _batch(llm, [5, 40], [1, 1])
-    model, backend = llm.engine.model, FusedCPUMLABackend(llm.engine.cache)
+    model, backend = llm.engine.model, CpuMLAAttention(llm.engine.cache)
     config = model.config
     try:
         with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -161,7 +161,7 @@ def test_greedy_ids_forward_gives_the_argmax_of_the_logits_forward(llm, new_lens
     logits row, the argmax of the logits the same forward returns otherwise (same cache)."""
     batch = _batch(llm, [9, 30, 2], new_lens, capture_layers=(1,))
     batch.logits_indices = torch.arange(batch.num_tokens)
-    backend, cache = FusedCPUMLABackend(llm.engine.cache), llm.engine.cache
+    backend, cache = CpuMLAAttention(llm.engine.cache), llm.engine.cache
     before = cache.target.kv.clone()
     try:
         with torch.inference_mode():
@@ -178,7 +178,7 @@ def test_greedy_ids_forward_gives_the_argmax_of_the_logits_forward(llm, new_lens
 
 def test_prefill_and_autograd_take_the_layer_path(llm):
     decoder, cache = _decoder(llm), llm.engine.cache
-    backend = FusedCPUMLABackend(cache)
+    backend = CpuMLAAttention(cache)
     prefill = _batch(llm, [0, 0], [6, 3], mode=ForwardMode.EXTEND)
     decode = _batch(llm, [7], [1])
     try:

@@ -1,5 +1,5 @@
-"""Draft tree selection and the verify tree mask: the C++ kernels (``select_draft_tree``,
-``tree_attention_mask``) against tree.py's PyTorch paths, on random recorded candidate sets with
+"""Draft tree selection and the verify tree mask: the CPU backend's kernels (``select_draft_tree``,
+``tree_attention_mask``) against the PyTorch backend's, on random recorded candidate sets with
 equal scores, and their messages for malformed input."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eaglet import kernels
+from eaglet.backends import Backend, cpu_backend, torch_backend
 from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")
@@ -34,13 +35,9 @@ def _record_round(g: torch.Generator, batch: int, k: int, steps: int) -> Candida
     return recorder
 
 
-def _python_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "loaded", lambda: False)
-
-
 @pytest.mark.parametrize("k,steps", [(1, 4), (2, 4), (3, 3), (4, 5)])
-def test_tree_selection_kernel_matches_the_pytorch_path(k, steps, monkeypatch):
-    assert kernels.loaded()
+def test_tree_selection_kernel_matches_the_pytorch_path(k, steps):
+    kernel_ops, torch_ops = cpu_backend().spec, torch_backend().spec
     g = torch.Generator().manual_seed(100 * k + steps)
     num_candidates = k + (steps - 1) * k * k
     for trial in range(40):
@@ -48,25 +45,23 @@ def test_tree_selection_kernel_matches_the_pytorch_path(k, steps, monkeypatch):
         recorder = _record_round(g, batch, k, steps)
         roots = torch.randint(0, 500, (batch,), generator=g)
         num_nodes = 2 + trial % num_candidates
-        fast = recorder.build_tree(roots, num_nodes)
-        with monkeypatch.context() as m:
-            _python_paths(m)
-            slow = recorder.build_tree(roots, num_nodes)
-            slow_mask = tree_attention_mask(slow, torch.arange(batch) * 3 + 1, 3 * batch + num_nodes)
+        fast = recorder.build_tree(roots, num_nodes, kernel_ops)
+        slow = recorder.build_tree(roots, num_nodes, torch_ops)
+        slow_mask = tree_attention_mask(slow, torch.arange(batch) * 3 + 1, 3 * batch + num_nodes, torch_ops)
         for name in ("tokens", "parents", "depths"):
             assert torch.equal(getattr(fast, name), getattr(slow, name)), name
-        assert torch.equal(tree_attention_mask(fast, torch.arange(batch) * 3 + 1, 3 * batch + num_nodes), slow_mask)
+        assert torch.equal(tree_attention_mask(fast, torch.arange(batch) * 3 + 1, 3 * batch + num_nodes, kernel_ops), slow_mask)
         # Every kept node's parent is kept, earlier, and one level up.
         parents, depths = fast.parents, fast.depths
         assert (parents[:, 0] == -1).all() and (parents[:, 1:] < torch.arange(1, num_nodes)).all()
         assert torch.equal(depths[:, 1:], depths.gather(1, parents[:, 1:].clamp(min=0)) + 1)
 
 
-def test_tree_mask_kernel_on_a_known_tree():
+def test_tree_mask_on_a_known_tree(backend: Backend):
     # root -> 1, 2; 1 -> 3; 3 -> 4
     tree = DraftTree(tokens=torch.zeros(1, 5, dtype=torch.long), parents=torch.tensor([[-1, 0, 0, 1, 3]]),
                      depths=torch.tensor([[0, 1, 1, 2, 3]]))
-    mask = tree_attention_mask(tree, torch.tensor([2]), 8)
+    mask = tree_attention_mask(tree, torch.tensor([2]), 8, backend.spec)
     expected = torch.tensor([
         [1, 1, 1, 0, 0, 0, 0, 0],
         [1, 1, 1, 1, 0, 0, 0, 0],

@@ -14,13 +14,15 @@ from draft_checkpoints import write_eagle3_draft
 from safetensors.torch import load_file, save_file
 
 from eaglet import kernels
-from eaglet.models.registry import parse_model_config
-from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
-from eaglet.runtime.kv_cache import KVCacheManager
+from eaglet.backends import torch_backend
 from eaglet.errors import CheckpointError, ConfigError
 from eaglet.models.eagle3 import load_eagle3_draft
 from eaglet.models.eagle3_config import Eagle3Config
-from eaglet.models.registry import load_model
+from eaglet.models.registry import load_model, parse_model_config
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
+
+TORCH = torch_backend()
 
 AUX = [0, 1, 2]  # the tiny targets have 3 layers
 LLAMA3_ROPE = {
@@ -35,13 +37,13 @@ LLAMA3_ROPE = {
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = write_deepseek_v3_checkpoint(tmp_path_factory.mktemp("target"), seed=5, num_shards=1)
-    model, config = load_model(path, "float32", show_progress=False)
+    model, config = load_model(path, "float32", backend=TORCH, show_progress=False)
     return path, model, config
 
 
 def _load(draft_path: Path, target, dtype=torch.float32):
     _, model, config = target
-    draft, draft_config = load_eagle3_draft(draft_path, config, dtype)
+    draft, draft_config = load_eagle3_draft(draft_path, config, dtype, TORCH)
     draft.share_target_weights(model.embed_tokens, model.lm_head)
     return draft, draft_config
 
@@ -138,11 +140,11 @@ def test_t2d_derived_from_d2t_when_absent(tmp_path, target):
 
 def test_kimi_k25_target(tmp_path):
     target_path = write_kimi_k25_checkpoint(tmp_path / "kimi", seed=2, num_shards=1)
-    model, config = load_model(target_path, "float32", show_progress=False)
+    model, config = load_model(target_path, "float32", backend=TORCH, show_progress=False)
     path = write_eagle3_draft(tmp_path / "draft", target_path, kind="mla", aux_layer_ids=[2, 1, 0])
     raw = json.loads((path / "config.json").read_text())
     assert raw["model_type"] == "kimi_k2" and raw["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    draft, draft_config = load_eagle3_draft(path, config, torch.float32)
+    draft, draft_config = load_eagle3_draft(path, config, torch.float32, TORCH)
     draft.share_target_weights(model.embed_tokens, model.language_model.lm_head)
     assert draft_config.aux_layer_ids == (2, 1, 0) and draft_config.mla.q_lora_rank == 24
     assert draft._module("embed_tokens") is model.embed_tokens
@@ -303,9 +305,9 @@ def _scenario(num_prompt: int, vocab: int, feat_width: int, hidden: int, seed: i
 def _run_paged(draft, scenarios: list[dict], *, use_input_embeds: bool) -> list[list[tuple]]:
     """Runs the 4 steps batched through the paged cache; per request, per step: (logits, hidden_out)."""
     cache = KVCacheManager(num_layers=1, kv_cache_dim=4, num_blocks=64, block_size=2, max_requests=8,
-                           max_context_len=32, dtype=torch.float32)  # fmt: skip
+                           max_context_len=32, dtype=torch.float32, ops=TORCH.cache)  # fmt: skip
     pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, torch.float32, "cpu"))
-    backend = draft.make_backend(cache, pool)
+    backend = draft.make_attention(cache, pool)
     rows = [cache.alloc_row() for _ in scenarios]
     lengths = [0] * len(scenarios)
 
@@ -458,7 +460,7 @@ def test_bad_config_refused(tmp_path, target, case):
         raw = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**raw, **patch}))
     with pytest.raises(ConfigError, match=message):
-        load_eagle3_draft(path, target[2], torch.float32)
+        load_eagle3_draft(path, target[2], torch.float32, TORCH)
 
 
 def _edit(path: Path, fn) -> None:
@@ -490,7 +492,7 @@ def test_bad_tensors_refused(tmp_path, target, case):
     path = write_eagle3_draft(tmp_path / "draft", target[0], aux_layer_ids=AUX)
     _edit(path, edit)
     with pytest.raises(CheckpointError, match=message):
-        load_eagle3_draft(path, target[2], torch.float32)
+        load_eagle3_draft(path, target[2], torch.float32, TORCH)
 
 
 def test_mixed_prefixes_refused(tmp_path, target):
@@ -498,4 +500,4 @@ def test_mixed_prefixes_refused(tmp_path, target):
     path = write_eagle3_draft(tmp_path / "draft", target[0], kind="llama", aux_layer_ids=AUX)
     _edit(path, lambda t: t.update({"layers.0.norm_extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"missing tensors"):
-        load_eagle3_draft(path, target[2], torch.float32)
+        load_eagle3_draft(path, target[2], torch.float32, TORCH)

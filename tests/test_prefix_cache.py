@@ -6,9 +6,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from eaglet.runtime.kv_cache import BlockAllocator, KVCacheManager
+from eaglet.backends import torch_backend
 from eaglet.engine.prefix_cache import PrefixCache, block_keys, image_content_hash, image_spans
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
+from eaglet.runtime.kv_cache import BlockAllocator, KVCacheManager
 
 BS = 4
 IMG = 99  # placeholder id
@@ -194,7 +195,7 @@ def test_evict_lru_leaves_only_and_never_used_blocks():
 def test_reset_returns_every_block_with_kv_cache_manager():
     mgr = KVCacheManager(
         num_layers=1, kv_cache_dim=4, num_blocks=9, block_size=BS, max_requests=2, max_context_len=32,
-        dtype=torch.float32,
+        dtype=torch.float32, ops=torch_backend().cache,
     )
     alloc, free0 = mgr.allocator, mgr.num_free_blocks
     cache = PrefixCache(alloc, BS)

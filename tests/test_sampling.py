@@ -11,12 +11,14 @@ import math
 import pytest
 import torch
 
-from eaglet import kernels
+from eaglet.backends import torch_backend
+from eaglet.backends.pytorch.sampling_ops import BLOCKED_MIN_VOCAB, VOCAB_BLOCK
 from eaglet.errors import InvalidRequestError
 from eaglet.layers.logits_processor import LogitsRow, logprobs_of, process_logits
-from eaglet.layers.sampler import BLOCKED_MIN_VOCAB, VOCAB_BLOCK, greedy_tokens, sample, shaped_probs, top_k_logprobs
+from eaglet.layers.sampler import sample, shaped_probs
 from eaglet.sampling_params import SamplingParams
 
+OPS = torch_backend().sampling
 V = 32
 EOS = {2, 40}  # 40 is outside the vocabulary: ignored
 
@@ -137,7 +139,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached_even_with_ignore_eos():
     out = process_logits(logits, rows, EOS)
     assert torch.isneginf(out[:3, 2]).all() and torch.isneginf(out[:3, 6]).all()
     assert out[3, 2] == 50.0 and out[3, 6] == 0.0  # 3 tokens generated: no mask
-    tokens = sample(out, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
+    tokens = sample(out, [SamplingParams(temperature=0.0)] * 4, [None] * 4, OPS)
     assert tokens[:3].ne(2).all() and tokens[3] == 2
 
 
@@ -154,10 +156,10 @@ def test_greedy_rows_use_processed_logits():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     greedy = SamplingParams(temperature=0.0, logit_bias={2: 5.0})
     out = process_logits(logits, [LogitsRow(greedy, [], [])], set())
-    assert sample(out, [greedy], [None]).item() == 2
+    assert sample(out, [greedy], [None], OPS).item() == 2
     penalised = SamplingParams(temperature=0.0, frequency_penalty=2.0)
     out = process_logits(logits, [LogitsRow(penalised, [], [0])], set())
-    assert sample(out, [penalised], [None]).item() == 1
+    assert sample(out, [penalised], [None], OPS).item() == 1
 
 
 def test_rows_without_processing_are_untouched():
@@ -261,7 +263,7 @@ def test_sample_only_returns_allowed_tokens_with_the_shaped_frequencies(params):
     draws = 3000
     gen = torch.Generator().manual_seed(123)
     batch = logits.expand(draws, -1).contiguous()
-    tokens = sample(batch, [params] * draws, [gen] * draws)
+    tokens = sample(batch, [params] * draws, [gen] * draws, OPS)
     assert set(tokens.tolist()) <= allowed
     freq = torch.bincount(tokens, minlength=16).double() / draws
     # total variation distance: about 0.02 expected at this sample size; 0.06 is a wide margin
@@ -286,7 +288,7 @@ def test_seeded_sampling_reproducible_and_independent_of_other_rows():
             gens.insert(position, gen)
             rows_params = [SamplingParams(temperature=1.3)] * others
             rows_params.insert(position, params)
-            drawn.append(sample(torch.stack(batch), rows_params, gens)[position].item())
+            drawn.append(sample(torch.stack(batch), rows_params, gens, OPS)[position].item())
         return drawn
 
     alone = run(0, 0, 0)
@@ -431,12 +433,8 @@ def test_validate_for_vocab():
 
 @pytest.mark.parametrize("vocab", [1000, BLOCKED_MIN_VOCAB, 32000])  # row-wide, and block by block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("argmax_kernel", [True, False], ids=["kernel", "pytorch-ops"])
-def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype, argmax_kernel, monkeypatch):
-    if argmax_kernel and not kernels.available():
-        pytest.skip(f"kernels not built: {kernels.unavailable_reason()}")
-    if not argmax_kernel:
-        monkeypatch.setattr(kernels, "loaded", lambda: False)
+def test_argmax_is_argmax_with_ties_and_nans(vocab, dtype, backend):
+    argmax = backend.sampling.argmax
     g = torch.Generator().manual_seed(vocab)
     for trial in range(30):
         logits = torch.randint(0, 3, (5, 3, vocab), generator=g).to(dtype)  # many tied maxima
@@ -448,19 +446,16 @@ def test_greedy_tokens_is_argmax_with_ties_and_nans(vocab, dtype, argmax_kernel,
         if trial % 4 == 3:
             logits[3, 2] = 0.0
             logits[3, 2, vocab - 1] = 5.0  # the maximum in the last block only
-        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
-        assert torch.equal(greedy_tokens(logits[0]), logits[0].argmax(dim=-1))
-        assert torch.equal(greedy_tokens(logits[:, 1]), logits[:, 1].argmax(dim=-1))  # rows not adjacent
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(argmax(logits[0]), logits[0].argmax(dim=-1))
+        assert torch.equal(argmax(logits[:, 1]), logits[:, 1].argmax(dim=-1))  # rows not adjacent
 
 
 @pytest.mark.parametrize("vocab", [1000, 32000])
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("topk_kernel", [True, False], ids=["kernel", "pytorch-ops"])
-def test_top_k_logprobs_matches_log_softmax_topk(vocab, k, topk_kernel, monkeypatch):
-    if topk_kernel and not kernels.available():
-        pytest.skip("eaglet CPU kernels unavailable")
-    if not topk_kernel:
-        monkeypatch.setattr(kernels, "loaded", lambda: False)
+def test_topk_logprobs_matches_log_softmax_topk(vocab, k, backend):
+    topk_kernel = backend.kernels
+    top_k_logprobs = backend.sampling.topk_logprobs
     g = torch.Generator().manual_seed(k)
     logits = torch.randn(9, vocab, generator=g) * 3
     logits[4, :VOCAB_BLOCK] += 20.0  # all of row 4's top k in one block

@@ -10,17 +10,21 @@ import pytest
 import torch
 
 from eaglet import kernels
+from eaglet.backends import Backend, cpu_backend, torch_backend
+from eaglet.backends.pytorch.spec_ops import _verify_chain, _verify_tree, build_tree_index
 from eaglet.layers.sampler import shaped_probs
 from eaglet.sampling_params import SamplingParams
-from eaglet.spec.verify import (
-    VerifyResult,
-    _verify_greedy_chain,
-    _verify_greedy_tree,
-    build_tree_index,
-    verify_greedy,
-    verify_greedy_ids,
-    verify_sampling,
-)
+from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_ids, verify_sampling
+
+TORCH_OPS = torch_backend().spec
+
+
+def _verify_greedy_chain(tokens: torch.Tensor, target: torch.Tensor) -> VerifyResult:
+    return VerifyResult(_verify_chain(tokens, target))
+
+
+def _verify_greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
+    return VerifyResult(_verify_tree(tokens, parents, target))
 
 # --------------------------------------------------------------------------- statistics helpers
 
@@ -201,8 +205,8 @@ GREEDY_CASES = [
 
 
 @pytest.mark.parametrize("name,tokens,parents,argmaxes,path,bonus", GREEDY_CASES, ids=[c[0] for c in GREEDY_CASES])
-def test_greedy_hand_built(name, tokens, parents, argmaxes, path, bonus) -> None:
-    res = verify_greedy(torch.tensor([tokens]), torch.tensor([parents]), _onehot_logits(argmaxes)[None])
+def test_greedy_hand_built(name, tokens, parents, argmaxes, path, bonus, backend: Backend) -> None:
+    res = verify_greedy(torch.tensor([tokens]), torch.tensor([parents]), _onehot_logits(argmaxes)[None], backend.spec)
     depth = build_tree_index(torch.tensor([parents])).max_depth
     assert res.accepted_nodes.shape == (1, depth)
     assert res.accepted_nodes[0].tolist() == path + [-1] * (depth - len(path))
@@ -211,12 +215,12 @@ def test_greedy_hand_built(name, tokens, parents, argmaxes, path, bonus) -> None
     assert res.emitted_tokens(torch.tensor([tokens]))[0, : len(path) + 1].tolist() == [tokens[j] for j in path] + [bonus]
 
 
-def test_greedy_argmax_ties_take_first_index() -> None:
+def test_greedy_argmax_ties_take_first_index(backend: Backend) -> None:
     logits = torch.zeros(1, 3, 6)
     logits[0, 0, [1, 4]] = 3.0  # tie: argmax is 1
     logits[0, 1, 2] = 1.0
     logits[0, 2, 5] = 1.0
-    res = verify_greedy(torch.tensor([[0, 4, 1]]), torch.tensor([[-1, 0, 0]]), logits)
+    res = verify_greedy(torch.tensor([[0, 4, 1]]), torch.tensor([[-1, 0, 0]]), logits, backend.spec)
     assert res.accepted_nodes.tolist() == [[2]] and res.bonus_tokens.tolist() == [5]
 
 
@@ -225,7 +229,7 @@ def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
     return torch.tensor([r + [fill] * (n - len(r)) for r in rows])
 
 
-def test_greedy_batch_equals_alone() -> None:
+def test_greedy_batch_equals_alone(backend: Backend) -> None:
     torch.manual_seed(1)
     cases = [c for c in GREEDY_CASES]
     n = max(len(c[1]) for c in cases)
@@ -234,9 +238,9 @@ def test_greedy_batch_equals_alone() -> None:
     logits = torch.randn(len(cases), n, 8)
     for b, c in enumerate(cases):
         logits[b, : len(c[3])] = _onehot_logits(c[3])
-    batched = verify_greedy(tokens, parents, logits)
+    batched = verify_greedy(tokens, parents, logits, backend.spec)
     for b, (_, tok, par, _, path, bonus) in enumerate(cases):
-        alone = verify_greedy(torch.tensor([tok]), torch.tensor([par]), logits[b : b + 1, : len(tok)])
+        alone = verify_greedy(torch.tensor([tok]), torch.tensor([par]), logits[b : b + 1, : len(tok)], backend.spec)
         k = int(alone.num_accepted)
         assert int(batched.num_accepted[b]) == k == len(path)
         assert batched.accepted_nodes[b, :k].tolist() == alone.accepted_nodes[0, :k].tolist() == path
@@ -244,7 +248,7 @@ def test_greedy_batch_equals_alone() -> None:
         assert int(batched.bonus_tokens[b]) == int(alone.bonus_tokens[0]) == bonus
     # permuting the batch permutes the results
     perm = torch.randperm(len(cases))
-    permuted = verify_greedy(tokens[perm], parents[perm], logits[perm])
+    permuted = verify_greedy(tokens[perm], parents[perm], logits[perm], backend.spec)
     assert torch.equal(permuted.bonus_tokens, batched.bonus_tokens[perm])
     assert torch.equal(permuted.accepted_nodes, batched.accepted_nodes[perm])
 
@@ -255,7 +259,7 @@ def _random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], lis
     return tokens, parents
 
 
-def test_greedy_equals_autoregressive_greedy_on_random_trees() -> None:
+def test_greedy_equals_autoregressive_greedy_on_random_trees(backend: Backend) -> None:
     vocab = 4
 
     def target_logits(context: tuple[int, ...]) -> torch.Tensor:
@@ -269,7 +273,7 @@ def test_greedy_equals_autoregressive_greedy_on_random_trees() -> None:
     logits = torch.zeros(len(trees), tokens.shape[1], vocab)
     for b, (tok, par) in enumerate(trees):
         logits[b, : len(tok)] = _node_probs(tok, par, target_logits)
-    res = verify_greedy(tokens, parents, logits)
+    res = verify_greedy(tokens, parents, logits, backend.spec)
     emitted = _rows(res, tokens)
     total_accepted = 0
     for b, (tok, par) in enumerate(trees):
@@ -544,25 +548,22 @@ def test_chain_verify_kernel_equals_the_python_walk(num_nodes, dtype):
         wide[..., :vocab] = logits
         parents = (torch.arange(num_nodes) - 1).expand(batch, num_nodes)
         for view in (logits, wide[..., :vocab]):
-            got = verify_greedy(tokens, parents, view)
+            got = verify_greedy(tokens, parents, view, cpu_backend().spec)
             expected = _verify_greedy_chain(tokens, picks)
             for field in ("accepted_nodes", "num_accepted", "bonus_tokens"):
                 assert torch.equal(getattr(got, field), getattr(expected, field)), field
     chain = torch.tensor([[-1, 0, 1]])
     with pytest.raises(RuntimeError, match="matching the tokens"):
-        verify_greedy(torch.zeros(1, 3, dtype=torch.long), chain, torch.zeros(1, 3, 0))
+        verify_greedy(torch.zeros(1, 3, dtype=torch.long), chain, torch.zeros(1, 3, 0), cpu_backend().spec)
     with pytest.raises(RuntimeError, match="int64 tokens"):
         torch.ops.eaglet.verify_tree_greedy(torch.zeros(1, 3, dtype=torch.int32), chain, torch.zeros(1, 3, 4))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         torch.ops.eaglet.verify_tree_greedy(torch.zeros(1, 3, dtype=torch.long), chain, torch.zeros(1, 3, 4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "python"])
-def test_verify_from_greedy_ids_equals_verify_from_logits(monkeypatch, use_kernels):
+def test_verify_from_greedy_ids_equals_verify_from_logits(backend: Backend):
     """A forward that returns only the target's greedy ids (the fused lm_head + argmax) verifies
     exactly as its logits do, on random trees, chains and padded trees; malformed trees are refused."""
-    if not use_kernels:
-        monkeypatch.setattr(kernels, "loaded", lambda: False)
     g = torch.Generator().manual_seed(3)
     for trial in range(80):
         batch, n, vocab = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g)), 4
@@ -575,18 +576,18 @@ def test_verify_from_greedy_ids_equals_verify_from_logits(monkeypatch, use_kerne
             parents[0, -1] = -1  # padding
         logits = torch.randn(batch, n, vocab, generator=g)
         tokens = torch.randint(0, vocab, (batch, n), generator=g)  # 4 ids: many accepted paths
-        from_logits = verify_greedy(tokens, parents, logits)
-        from_ids = verify_greedy_ids(tokens, parents, logits.argmax(-1))
+        from_logits = verify_greedy(tokens, parents, logits, backend.spec)
+        from_ids = verify_greedy_ids(tokens, parents, logits.argmax(-1), backend.spec)
         assert torch.equal(from_ids.table, from_logits.table)
-    error = RuntimeError if use_kernels else ValueError
+    error = RuntimeError if backend.kernels else ValueError
     with pytest.raises(error):
-        verify_greedy_ids(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 2, 0]]), torch.zeros(1, 3, dtype=torch.long))
+        verify_greedy_ids(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 2, 0]]), torch.zeros(1, 3, dtype=torch.long), backend.spec)
     with pytest.raises(error):
-        verify_greedy_ids(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 1]]), torch.zeros(1, 2, dtype=torch.long))
+        verify_greedy_ids(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 1]]), torch.zeros(1, 2, dtype=torch.long), backend.spec)
 
 
 @needs_kernels
-def test_commit_table_kernel_equals_the_python_table(monkeypatch):
+def test_commit_table_kernel_equals_the_python_table():
     """Per path entry (the root, then the accepted nodes) of every request: source and destination
     slots, position, feature row and the draft extend's id, from random trees' verification."""
     g = torch.Generator().manual_seed(0)
@@ -600,14 +601,12 @@ def test_commit_table_kernel_equals_the_python_table(monkeypatch):
         tokens = torch.randint(0, 4, (batch, n), generator=g)
         logits = torch.randn(batch, n, 4, generator=g)
         logits.scatter_(2, tokens.roll(-1, 1)[:, :, None], 5.0)  # the target mostly agrees
-        result = verify_greedy(tokens, parents, logits)
+        result = verify_greedy(tokens, parents, logits, TORCH_OPS)
         scratch = n + int(torch.randint(0, 3, (1,), generator=g))
         slots = torch.randperm(1000, generator=g)[: batch * scratch].view(batch, scratch)
         prefix = torch.randint(0, 50, (batch,), generator=g)
-        kernel = result.commit_table(tokens, slots, prefix)
-        with monkeypatch.context() as m:
-            m.setattr(kernels, "loaded", lambda: False)
-            python = result.commit_table(tokens, slots, prefix)
+        kernel = result.commit_table(tokens, slots, prefix, cpu_backend().spec)
+        python = result.commit_table(tokens, slots, prefix, TORCH_OPS)
         for name in ("entries", "per_request", "entry_starts"):
             assert torch.equal(getattr(kernel, name), getattr(python, name)), name
         # The hand-written meaning of each row, request by request.
@@ -625,7 +624,8 @@ def test_commit_table_kernel_equals_the_python_table(monkeypatch):
         assert columns == [] and int(kernel.entry_starts[batch]) == first
     bad = VerifyResult.of(torch.tensor([[7]]), torch.tensor([1]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="accepted node 7 outside"):
-        bad.commit_table(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        bad.commit_table(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                         cpu_backend().spec)
 
 
 def test_merging_sampled_rows_pads_their_shallower_paths():
@@ -653,12 +653,12 @@ def test_tree_verify_kernel_equals_the_python_walk(dtype):
                     valid.append(j)
         tokens = torch.randint(0, vocab, (batch, n), generator=g)
         logits = torch.randint(0, 2, (batch, n, vocab), generator=g).to(dtype)
-        got = verify_greedy(tokens, parents, logits)
+        got = verify_greedy(tokens, parents, logits, cpu_backend().spec)
         expected = _verify_greedy_tree(tokens, parents, logits.float().argmax(-1))
         assert torch.equal(got.table, expected.table), (tokens, parents)
     for bad, message in (([[0, 0]], "root"), ([[-1, 2, 0]], "earlier node"), ([[-1, -1, 1]], "padding node")):
         bad_parents = torch.tensor(bad)
         with pytest.raises(RuntimeError, match=message):
-            verify_greedy(torch.zeros_like(bad_parents), bad_parents, torch.zeros(1, bad_parents.shape[1], 4))
+            verify_greedy(torch.zeros_like(bad_parents), bad_parents, torch.zeros(1, bad_parents.shape[1], 4), cpu_backend().spec)
         with pytest.raises(ValueError):
             build_tree_index(bad_parents)

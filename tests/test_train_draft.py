@@ -15,12 +15,13 @@ from safetensors.torch import load_file
 from spec_fixtures import echo_text_target
 
 from eaglet import LLM
+from eaglet.backends import torch_backend
 from eaglet.cli import main as cli_main
-from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
-from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.layers.norms import RMSNorm
 from eaglet.models.eagle3 import Eagle3Draft, load_eagle3_draft
 from eaglet.models.registry import load_model
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.train import TrainDraftConfig, train_draft
 from eaglet.train.capture import CapturedSequence, capture_features, regenerate_responses
 from eaglet.train.data import PromptRecord, load_prompts
@@ -28,6 +29,8 @@ from eaglet.train.export import default_aux_layer_ids, draft_config_dict, export
 from eaglet.train.trainer import collate
 from eaglet.train.ttt import restore_inference_weights, ttt_forward, ttt_loss
 from eaglet.train.vocab import build_hot_vocab
+
+TORCH = torch_backend()
 
 AUX = (0, 1, 2)  # the tiny targets have 3 layers
 TTT_STEPS = 3
@@ -46,7 +49,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def text_target(tmp_path_factory):
     path = write_deepseek_v3_checkpoint(tmp_path_factory.mktemp("target"), seed=5, num_shards=1)
-    model, config = load_model(path, "float32", show_progress=False)
+    model, config = load_model(path, "float32", backend=TORCH, show_progress=False)
     return path, model, config
 
 
@@ -83,10 +86,11 @@ def _inference_unroll(draft: Eagle3Draft, seq: CapturedSequence, steps: int) -> 
     t + k, seeing row indices 0..t (step 0) and its own chain (as EagleWorker's draft steps)."""
     n = seq.num_rows
     cache = KVCacheManager(
-        num_layers=1, kv_cache_dim=8, num_blocks=64, block_size=8, max_requests=2, max_context_len=256, dtype=torch.float32
+        num_layers=1, kv_cache_dim=8, num_blocks=64, block_size=8, max_requests=2, max_context_len=256, dtype=torch.float32,
+        ops=TORCH.cache,
     )
     pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, torch.float32, "cpu"))
-    backend = draft.make_backend(cache, pool)
+    backend = draft.make_attention(cache, pool)
     row = cache.alloc_row()
     slots = cache.grow(row, n * steps)
     ids = seq.input_ids[1:]
@@ -132,7 +136,7 @@ def test_training_forward_equals_inference_draft(text_target, tmp_path, kind):
     assert training[0].requires_grad
 
     export_draft(draft, cfg, tmp_path / "draft", torch.float32)
-    loaded, _ = load_eagle3_draft(tmp_path / "draft", config, torch.float32)
+    loaded, _ = load_eagle3_draft(tmp_path / "draft", config, torch.float32, TORCH)
     loaded.share_target_weights(model.embed_tokens, model.lm_head)
     for i, seq in enumerate(sequences):
         inference = _inference_unroll(loaded, seq, TTT_STEPS)
@@ -221,7 +225,7 @@ def test_export_has_the_published_names_shapes_dtypes_and_keys(text_target, tmp_
     assert torch.equal(torch.arange(draft_vocab) + tensors["d2t"], vocab.used_ids)
     assert torch.equal(tensors["t2d"].nonzero().flatten(), vocab.used_ids)
 
-    loaded, loaded_config = load_eagle3_draft(path, config, torch.bfloat16)
+    loaded, loaded_config = load_eagle3_draft(path, config, torch.bfloat16, TORCH)
     assert loaded_config.kind == kind and loaded_config.aux_layer_ids == AUX
     for name, tensor in loaded.checkpoint_weights().items():
         assert torch.equal(tensor, tensors[name]), name
@@ -340,8 +344,8 @@ def test_training_raises_the_measured_accept_length(echo_target, tmp_path, kind)
     assert result.num_steps == 60 and result.eval_metrics["num_verify_steps"] > 0
     assert trained >= initial + 1.0
     assert result.step_accuracies[0] > 0.5
-    _, target_config = load_model(echo_target, "float32", show_progress=False)
-    _, loaded_config = load_eagle3_draft(tmp_path / "draft", target_config, torch.float32)
+    _, target_config = load_model(echo_target, "float32", backend=TORCH, show_progress=False)
+    _, loaded_config = load_eagle3_draft(tmp_path / "draft", target_config, torch.float32, TORCH)
     assert loaded_config.kind == kind
 
 

@@ -1,0 +1,61 @@
+"""Backends: one object per engine that decides what computes (``base.Backend``).
+
+``select_backend`` picks eaglet's C++ kernels where they build on this machine and the engine asks
+for them, else PyTorch ops; either way every caller goes through the same interfaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from eaglet import kernels
+from eaglet.backends.base import Backend
+from eaglet.backends.cpu.cache_ops import CpuCacheOps
+from eaglet.backends.cpu.layer_ops import CpuLayerOps
+from eaglet.backends.cpu.mla_attention import CpuMLAAttention
+from eaglet.backends.cpu.sampling_ops import CpuSamplingOps
+from eaglet.backends.cpu.spec_ops import CpuSpecOps
+from eaglet.backends.pytorch.cache_ops import TorchCacheOps
+from eaglet.backends.pytorch.layer_ops import TorchLayerOps
+from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
+from eaglet.backends.pytorch.sampling_ops import TorchSamplingOps
+from eaglet.backends.pytorch.spec_ops import TorchSpecOps
+
+__all__ = ["Backend", "cpu_backend", "select_backend", "torch_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def torch_backend(fallback_reason: str | None = None) -> Backend:
+    """PyTorch ops for everything (``fallback_reason``: why an engine runs them instead of the kernels)."""
+    sampling = TorchSamplingOps()
+    return Backend(
+        name="pytorch", layers=TorchLayerOps(), sampling=sampling, spec=TorchSpecOps(sampling), cache=TorchCacheOps(),
+        mla_attention=TorchMLAAttention, fallback_reason=fallback_reason,
+    )
+
+
+@functools.cache
+def cpu_backend() -> Backend:
+    """eaglet's C++ kernels (they must be available: ``eaglet.kernels.available()``); PyTorch ops
+    where a kernel does not take an input (autograd, another dtype or device)."""
+    if not kernels.available():
+        raise RuntimeError(f"eaglet CPU kernels unavailable: {kernels.unavailable_reason()}")
+    torch_ops = torch_backend()
+    return Backend(
+        name="cpu", layers=CpuLayerOps(torch_ops.layers), sampling=CpuSamplingOps(torch_ops.sampling),
+        spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache), mla_attention=CpuMLAAttention,
+    )
+
+
+def select_backend(cpu_kernels: bool = True) -> Backend:
+    """The C++ kernels when asked for and they build here, else PyTorch ops (saying why)."""
+    if not cpu_kernels:
+        return torch_backend("turned off (cpu_kernels=False)")
+    if not kernels.available():
+        reason = f"eaglet CPU kernels unavailable: {kernels.unavailable_reason()}"
+        logger.warning("%s; running PyTorch ops", reason)
+        return torch_backend(reason)
+    return cpu_backend()

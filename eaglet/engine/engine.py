@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from eaglet import kernels
+from eaglet.backends import select_backend
 from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.executor.model_runner import ModelRunner
@@ -20,7 +21,6 @@ from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.executor.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
-from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.deepseek_v3 import ForwardOutput
@@ -72,7 +72,10 @@ class Engine:
         if not model_dir.is_dir():
             raise ConfigError(f"model path {config.model!r} is not a directory")
         dtype = resolve_dtype(config.dtype)
-        self.model, self.model_config = load_model(model_dir, dtype, show_progress=config.show_progress)
+        self.backend = select_backend(config.cpu_kernels)
+        self.model, self.model_config = load_model(
+            model_dir, dtype, backend=self.backend, show_progress=config.show_progress
+        )
         text = self.model_config.text
         self.context_len = min(config.context_length or text.max_position_embeddings, text.max_position_embeddings)
         self.tokenizer = _load_tokenizer(model_dir)
@@ -103,25 +106,23 @@ class Engine:
             max_requests=config.max_running_requests,
             max_context_len=self.context_len + self.spec_scratch,
             dtype=dtype,
+            ops=self.backend.cache,
         )
-        self.cpu_kernels = config.cpu_kernels and kernels.available()
-        if self.cpu_kernels:
+        if self.backend.kernels:
             kernels.use_cpu_kernels(self.model)
-        backend = FusedCPUMLABackend(self.cache) if self.cpu_kernels else TorchNativeMLABackend(self.cache)
-        self.runner = ModelRunner(self.model, self.model_config, self.cache, backend)
+        self.runner = ModelRunner(self.model, self.model_config, self.cache, self.backend.mla_attention(self.cache, None))
         self.spec_worker: EagleWorker | None = None
         self.spec_metrics: SpecMetrics | None = None
         self.spec_policy: SpeculationPolicy | None = None
         if self.spec_config is not None:
             draft, draft_config = load_eagle3_draft(
-                self.spec_config.draft_model_path, self.model_config, dtype, show_progress=config.show_progress
+                self.spec_config.draft_model_path, self.model_config, dtype, self.backend, show_progress=config.show_progress
             )
             draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
-            if self.cpu_kernels:
+            if self.backend.kernels:
                 kernels.use_cpu_kernels(draft)
             self.spec_worker = EagleWorker(
-                self.runner, draft, draft_config, self.spec_config, self.cache, frozenset(self.eos_token_ids),
-                fused_attention=self.cpu_kernels,
+                self.runner, draft, draft_config, self.spec_config, self.cache, self.backend, frozenset(self.eos_token_ids)
             )
             self.spec_metrics = SpecMetrics(self.spec_config.num_steps)
             self.spec_policy = SpeculationPolicy(self.spec_config, adaptive=config.speculative_adaptive)
@@ -351,7 +352,7 @@ class Engine:
         processed = process_logits(
             raw, [LogitsRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids) for r in chosen], self.eos_token_ids
         )
-        picked = sample(processed, [r.sampling_params for r in chosen], [r.generator for r in chosen])
+        picked = sample(processed, [r.sampling_params for r in chosen], [r.generator for r in chosen], self.backend.sampling)
         record_logprobs(chosen, raw, picked[:, None])
         if every_row:
             return picked

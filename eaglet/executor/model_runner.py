@@ -5,21 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
 from eaglet.models.config import ModelConfig
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.executor.request import Request, record_prompt_logprobs
-from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.multimodal.embedding import merge_image_features
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, config: ModelConfig, cache: KVCacheManager, backend: AttentionBackend) -> None:
+    def __init__(self, model: nn.Module, config: ModelConfig, cache: KVCacheManager, attention: MLAAttentionBackend) -> None:
         self.model = model
         self.config = config
         self.cache = cache
-        self.backend = backend
+        self.attention = attention
 
     @torch.inference_mode()
     def extend(
@@ -60,7 +60,7 @@ class ModelRunner:
             greedy_ids_only=greedy_ids_only,
         )
         batch.input_embeds = self.merged_embeddings(requests, batch)
-        output = self.model(batch, self.backend)
+        output = self.model(batch, self.attention)
         if any(wants_prompt) and not all_logits:
             for req, start, num, wants in zip(requests, batch.extend_start_loc.tolist(), num_new_tokens, wants_prompt):
                 if wants:

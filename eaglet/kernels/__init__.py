@@ -44,7 +44,7 @@ def _build_dir() -> Path:
     """The build cache of this source, torch version and CPU: the kernels are compiled with
     -march=native, so a build made on another CPU (a home directory shared between an AMX Xeon and
     an AVX512-BF16 EPYC, say) may use instructions this one lacks, or miss ones it has."""
-    from eaglet.layers.cpu_policy import cpu_flags
+    from eaglet.backends.cpu_caps import cpu_flags
 
     root = Path(os.environ.get("EAGLET_KERNEL_CACHE", Path.home() / ".cache" / "eaglet" / "kernels"))
     machine = " ".join(sorted(cpu_flags())).encode()
@@ -107,8 +107,8 @@ def tile_backend() -> str | None:
 
 
 def use_cpu_kernels(model: torch.nn.Module) -> int:
-    """Switches the model to the kernels (they need ``available()``): RMSNorms, routers and rotary
-    embeddings; where ``tile_backend()`` names one, every bfloat16 matrix that ``linear`` multiplies
+    """Switches the model's matrices to the kernels (they need ``available()``): where
+    ``tile_backend()`` names one, every bfloat16 matrix that ``linear`` multiplies
     (``packable_weights``) gets its tile layout copy, and the routed experts and each SwiGLU run in
     one call, and a DeepSeek-V3 model's layers (an MLA EAGLE-3 draft's midlayer) run as one
     DecoderStack call wherever every matrix qualifies. Attention is the backend's
@@ -116,9 +116,7 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     from eaglet.kernels.decoder_stack import FusedDecoderStack, FusedMidlayer
     from eaglet.layers.linear import AMX_PACKED, pack_weight_for_amx
     from eaglet.layers.mla import MLAAttention
-    from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
-    from eaglet.layers.norms import RMSNorm
-    from eaglet.layers.rotary import RotaryEmbedding
+    from eaglet.layers.moe import RoutedExperts, SwiGLU
     from eaglet.models.deepseek_v3 import DeepseekV3Model
     from eaglet.models.eagle3 import Eagle3Draft
 
@@ -127,9 +125,6 @@ def use_cpu_kernels(model: torch.nn.Module) -> int:
     tiles = tile_backend() is not None
     count = 0
     for module in model.modules():
-        if isinstance(module, (RMSNorm, NoAuxRouter, RotaryEmbedding)):
-            module.fused = True
-            count += 1
         if not tiles:
             continue
         for weight in module.packable_weights() if hasattr(module, "packable_weights") else ():

@@ -3,7 +3,7 @@ forward (``torch.classes.eaglet.DecoderStack``).
 
 A small model's decode step is dominated by Python: about 20 op calls and 8 module calls per
 layer, each some microseconds, around kernels that take tens. The stack runs the same kernels
-that ``DecoderLayer.forward`` reaches through RMSNorm, MLAAttention, FusedCPUMLABackend, MoE and
+that ``DecoderLayer.forward`` reaches through RMSNorm, MLAAttention, CpuMLAAttention, MoE and
 SwiGLU, on the same inputs and in the same order, from C++: the same bits (tests/test_decoder_stack.py).
 It applies where that Python path would run the tile-layout kernels (AMX or AVX512-BF16)
 throughout: a bfloat16 model whose matrices all have tile copies, no autograd, at most
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from eaglet.models.config import TextConfig
-from eaglet.layers.attention_backend import FusedCPUMLABackend
+from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.layers.linear import PADDED_MAX_ROWS, amx_tiles
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
@@ -31,7 +31,7 @@ from eaglet.models.eagle3 import Eagle3DecoderLayer
 
 if TYPE_CHECKING:
     from eaglet.runtime.forward_batch import ForwardBatch
-    from eaglet.layers.attention_backend import AttentionBackend
+    from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
     from eaglet.models.deepseek_v3 import DecoderLayer, DeepseekV3Model
     from eaglet.models.eagle3 import Eagle3Draft
     from eaglet.spec.eagle_worker import DraftState
@@ -47,8 +47,6 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
                "kv_a_norm": attn.kv_a_layernorm.weight, "o_proj": amx_tiles(attn.o_proj.weight)}
     if isinstance(layer, Eagle3DecoderLayer):
         weights["hidden_norm"] = layer.hidden_norm.weight
-        if not layer.hidden_norm.fused:
-            return None
     if attn.has_q_lora:
         if attn.qkv_a_weight is None:
             return None
@@ -74,14 +72,14 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
         weights |= dict(zip(("mlp_w13", "mlp_w2"), dense.amx_weights))
         sizes[0] = dense.down_proj.weight.shape[1]
     if isinstance(mlp, MoE):
-        if mlp.experts.amx_weights is None or not mlp.gate.fused:
+        if mlp.experts.amx_weights is None:
             return None
         weights |= {"router_weight": mlp.gate.weight.detach(), "router_bias": mlp.gate.e_score_correction_bias.detach()}
         weights |= dict(zip(("experts_w13", "experts_w2"), mlp.experts.amx_weights))
         sizes[1] = mlp.experts.intermediate_size
     elif not isinstance(mlp, SwiGLU):
         return None
-    if any(w is None for w in weights.values()) or not (layer.input_layernorm.fused and attn.rotary.fused):
+    if any(w is None for w in weights.values()):
         return None
     return {name: w.detach() for name, w in weights.items()}, sizes
 
@@ -103,9 +101,9 @@ def _build(config: TextConfig, layers: list[nn.Module]) -> torch.ScriptObject | 
     return stack
 
 
-def _absorbed_inputs(backend: AttentionBackend, hidden: torch.Tensor, batch: ForwardBatch) -> tuple | None:
+def _absorbed_inputs(backend: MLAAttentionBackend, hidden: torch.Tensor, batch: ForwardBatch) -> tuple | None:
     """The stack's attention inputs for this batch, or None where the layer-by-layer path must run."""
-    if (not isinstance(backend, FusedCPUMLABackend) or hidden.dtype != torch.bfloat16
+    if (not isinstance(backend, CpuMLAAttention) or hidden.dtype != torch.bfloat16
             or batch.num_tokens > PADDED_MAX_ROWS or torch.is_grad_enabled()):
         return None
     return backend.absorbed_inputs(batch)
@@ -125,7 +123,7 @@ class FusedDecoderStack:
         return cls(stack) if stack is not None else None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: MLAAttentionBackend,
         capture_layers: list[int],
     ) -> list[torch.Tensor] | None:
         """[hidden after the last layer, then after each of ``capture_layers`` (ascending)], or
@@ -175,14 +173,14 @@ class FusedMidlayer:
 
     def forward(
         self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-        backend: AttentionBackend,
+        backend: MLAAttentionBackend,
     ) -> torch.Tensor | None:
         """The midlayer's output, or None where ``Eagle3DecoderLayer.forward`` must run."""
         inputs = _absorbed_inputs(backend, hidden, batch)
         return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None
 
     def extend_proposals(
-        self, draft: Eagle3Draft, batch: ForwardBatch, backend: AttentionBackend, features: torch.Tensor, k: int,
+        self, draft: Eagle3Draft, batch: ForwardBatch, backend: MLAAttentionBackend, features: torch.Tensor, k: int,
         states: DraftState, rows: torch.Tensor, feature_rows: torch.Tensor | None = None,
     ) -> bool:
         """A draft extend over the target ``features`` (token t's: ``features[feature_rows[t]]``
@@ -207,7 +205,7 @@ class FusedMidlayer:
         return True
 
     def draft_chain(
-        self, draft: Eagle3Draft, roots: torch.Tensor, rows: torch.Tensor, states: DraftState, backend: AttentionBackend,
+        self, draft: Eagle3Draft, roots: torch.Tensor, rows: torch.Tensor, states: DraftState, backend: MLAAttentionBackend,
         prefix: list[int], prefix_t: torch.Tensor, steps: int, final_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``steps`` top-1 draft steps in one call (``DecoderStack.draft_chain``) for the requests of
@@ -224,7 +222,7 @@ class FusedMidlayer:
 
     def draft_tree(
         self, draft: Eagle3Draft, roots: torch.Tensor, rows: torch.Tensor, states: DraftState, k: int,
-        backend: AttentionBackend, prefix: list[int], prefix_t: torch.Tensor, steps: int, num_nodes: int,
+        backend: MLAAttentionBackend, prefix: list[int], prefix_t: torch.Tensor, steps: int, num_nodes: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """EAGLE-2 tree drafting of a round in one call (``DecoderStack.draft_tree``) for the requests
         of cache ``rows`` [B]: from each one's top-k tokens, scores and hidden in ``states``,
@@ -237,7 +235,7 @@ class FusedMidlayer:
                                            backend.pool.kv, backend.cache.req_to_token, prefix_t, steps, num_nodes))
 
     def _head_inputs(
-        self, draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int
+        self, draft: Eagle3Draft, hidden: torch.Tensor, backend: MLAAttentionBackend, positions: int, rows: int
     ) -> tuple | None:
         """What the drafting calls take besides the stack (embeddings, rotary table of ``positions``,
         final norm, lm_head tiles and d2t), or None where a draft step of ``rows`` tokens would not
@@ -256,7 +254,7 @@ class FusedMidlayer:
             self._head_checked = True
             lm_head, dtype = draft.lm_head_module(), torch.bfloat16
             tiles, embed = amx_tiles(lm_head.weight), draft.embed_weight()
-            if (tiles is not None and draft.norm.fused
+            if (tiles is not None
                     and all(t.dtype == dtype for t in (embed, draft.fc.weight, draft.norm.weight))
                     and (lm_head.bias is None or lm_head.bias.dtype == dtype)):
                 self._head = _DraftHead(
@@ -270,11 +268,11 @@ class FusedMidlayer:
 
     @staticmethod
     def _rope_table(
-        draft: Eagle3Draft, hidden: torch.Tensor, backend: AttentionBackend, positions: int, rows: int
+        draft: Eagle3Draft, hidden: torch.Tensor, backend: MLAAttentionBackend, positions: int, rows: int
     ) -> torch.Tensor | None:
         """The draft's rotary table of at least ``positions`` rows, or None where a draft step of
         ``rows`` tokens would not run on the tile-layout kernels."""
-        if (not isinstance(backend, FusedCPUMLABackend) or torch.is_grad_enabled() or rows > PADDED_MAX_ROWS
+        if (not isinstance(backend, CpuMLAAttention) or torch.is_grad_enabled() or rows > PADDED_MAX_ROWS
                 or hidden.dtype != torch.bfloat16):
             return None
         return draft.rotary.table_as(positions, torch.bfloat16)

@@ -1,9 +1,8 @@
-"""Grouped-query attention (Llama layout) over the paged cache, for Llama-style EAGLE-3 drafts.
+"""Grouped-query attention layers (Llama layout), for Llama-style EAGLE-3 drafts.
 
-The draft keeps its own K/V buffers (:class:`GQAKVPool`) indexed by the slot space the target uses
-(see ``eaglet/runtime/kv_cache.py``), so a slot's draft entry and target entry describe the same
-position. :class:`TorchNativeGQABackend` writes the new tokens' K/V and attends over each request's
-row of the request-to-slots table, vectorised over requests (queries and keys padded per request).
+The draft keeps its own K/V buffers (``eaglet.runtime.kv_cache.GQAKVPool``) indexed by the slot
+space the target uses, so a slot's draft entry and target entry describe the same position. The
+attention itself is ``eaglet.backends.pytorch.gqa_attention.TorchGQAAttention``.
 """
 
 from __future__ import annotations
@@ -14,10 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.runtime.kv_cache import KVCacheManager
+from eaglet.backends.pytorch.gqa_attention import TorchGQAAttention
+from eaglet.backends.pytorch.layer_ops import TorchLayerOps
 from eaglet.layers.linear import linear
 from eaglet.layers.rotary import RopeConfig, RotaryEmbedding
+from eaglet.runtime.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -54,32 +54,9 @@ class LlamaRotaryEmbedding(RotaryEmbedding):
     """Rotate-half RoPE (Llama layout: pairs (i, i + D/2)) with Llama-3.1 scaling support."""
 
     def __init__(self, head_dim: int, rope: LlamaRopeConfig) -> None:
-        super().__init__(head_dim, RopeConfig(theta=rope.theta, rope_type="default"), interleave=False)
+        # Llama attention rotates q and k separately, in PyTorch ops (the kernels rotate MLA's).
+        super().__init__(head_dim, RopeConfig(theta=rope.theta, rope_type="default"), interleave=False, ops=TorchLayerOps())
         self.inv_freq = llama_inv_freq(head_dim, rope)
-
-
-class GQAKVPool:
-    """One model's K and V buffers [num_layers, num_slots, num_kv_heads, head_dim] over the shared slots."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-
-    def write(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][out_cache_loc] = k.to(self.k.dtype)
-        self.v[layer_id][out_cache_loc] = v.to(self.v.dtype)
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
 
 
 class GQAAttention(nn.Module):
@@ -120,7 +97,7 @@ class GQAAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        backend: TorchNativeGQABackend,
+        attention: TorchGQAAttention,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = linear(x, self.q_proj.weight, self.q_proj.bias).view(num_tokens, self.num_heads, self.head_dim)
@@ -128,66 +105,8 @@ class GQAAttention(nn.Module):
         v = linear(x, self.v_proj.weight, self.v_proj.bias).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = self.rotary(q, cos, sin)
         k = self.rotary(k, cos, sin)
-        out = backend.forward(self, q, k, v, batch)  # [T, Hq, D]
+        out = attention.forward(self, q, k, v, batch)  # [T, Hq, D]
         return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
     def packable_weights(self) -> list[torch.Tensor]:
         return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight]
-
-
-class TorchNativeGQABackend:
-    """Plain PyTorch GQA over the paged cache.
-
-    Writes the new tokens' K/V to ``pool`` at ``batch.out_cache_loc``, then each token attends to the
-    cache entries of its request's row under ``batch.attention_mask`` (causal, or ``custom_mask``).
-    Requests are batched by padding queries to the longest extend and keys to the longest sequence;
-    scores and softmax run in float32.
-    """
-
-    def __init__(self, cache: KVCacheManager, pool: GQAKVPool) -> None:
-        self.cache = cache
-        self.pool = pool
-
-    def forward(
-        self,
-        layer: GQAAttention,
-        q: torch.Tensor,  # [T, Hq, D] roped
-        k: torch.Tensor,  # [T, Hkv, D] roped
-        v: torch.Tensor,  # [T, Hkv, D]
-        batch: ForwardBatch,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        self.pool.write(layer.layer_id, batch.out_cache_loc, k, v)
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = layer.num_kv_heads
-        group = num_heads // num_kv_heads
-        batch_size = batch.batch_size
-        max_len = max(batch.seq_lens_cpu)
-        max_new = max(batch.extend_seq_lens_cpu)
-        device = q.device
-
-        slots = self.cache.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]
-        keys = self.pool.k[layer.layer_id][slots].permute(0, 2, 1, 3)  # [B, Hkv, S, D]
-        values = self.pool.v[layer.layer_id][slots].permute(0, 2, 1, 3)
-
-        # Scatter the flat tokens into a [B, max_new] grid: (request, offset within its extend).
-        token_req = batch.token_to_request()
-        offset = torch.arange(num_tokens, device=device) - batch.extend_start_loc[token_req]
-        q_grid = q.new_zeros(batch_size, max_new, num_heads, head_dim)
-        q_grid[token_req, offset] = q
-        mask = batch.attention_mask(max_len) & (
-            torch.arange(max_len, device=device)[None, :] < batch.seq_lens[token_req][:, None]
-        )
-        mask_grid = torch.ones(batch_size, max_new, max_len, dtype=torch.bool, device=device)  # pad rows: finite
-        mask_grid[token_req, offset] = mask
-
-        # [B, max_new, Hkv, G, D] -> [B, Hkv, G * max_new, D]: query heads kv*G .. kv*G+G-1 share kv head kv.
-        q_grid = q_grid.view(batch_size, max_new, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        q_grid = q_grid.reshape(batch_size, num_kv_heads, group * max_new, head_dim)
-        scores = torch.matmul(q_grid, keys.transpose(-1, -2)).float() * layer.scaling  # [B, Hkv, G*N, S]
-        scores = scores.view(batch_size, num_kv_heads, group, max_new, max_len)
-        scores.masked_fill_(~mask_grid[:, None, None], float("-inf"))
-        probs = scores.softmax(dim=-1).to(values.dtype).view(batch_size, num_kv_heads, group * max_new, max_len)
-        out = torch.matmul(probs, values)  # [B, Hkv, G*N, D]
-        out = out.view(batch_size, num_kv_heads, group, max_new, head_dim).permute(0, 3, 1, 2, 4)
-        out = out.reshape(batch_size, max_new, num_heads, head_dim)
-        return out[token_req, offset]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet.layers.cpu_policy import has_native_bf16, packs_float32
+from eaglet.backends.cpu_caps import has_native_bf16, packs_float32
 
 # Row counts for which float32 `W @ x^T` beats F.linear: decode / verify batches of a few requests.
 # One row is a GEMV (F.linear is as fast); from about 64 rows on F.linear's blocking wins.
@@ -105,26 +105,6 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-# MKL's float32 products round a row differently depending on how many rows they multiply: a
-# single row, and (for some layouts) 2-15 rows against 16 or more, take different kernels
-# (tests/test_layer_fast_paths.py). Greedy speculation is lossless only if a verify pass gives each
-# token the bits plain decoding gives it, so the float32 products whose row count differs between
-# the two (absorbed attention, routing) run at no fewer rows than these. The thresholds depend on
-# the CPU MKL dispatches for: on AVX512 Xeons one row differs from two or more, on an AVX512 EPYC
-# (Zen 4) 1-3 rows differ from four or more, in bmm and F.linear alike.
-MIN_BMM_ROWS = 4  # [H, T, K] x [H, K, N] with row-major operands
-MIN_GEMM_ROWS = 16  # F.linear, and bmm against a transposed operand (attention scores)
-
-
-def rows_at_least(x: torch.Tensor, minimum: int, dim: int = 0) -> torch.Tensor:
-    """``x`` zero-padded along ``dim`` to ``minimum`` entries; ``x`` itself when it has as many."""
-    missing = minimum - x.shape[dim]
-    if missing <= 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, missing]
-    return F.pad(x, pad)
-
-
 def pack_weight(weight: torch.Tensor) -> None:
     """Attaches a oneDNN-blocked copy of a bfloat16 or float32 [out, in] weight, which ``linear``
     then uses.
@@ -132,7 +112,7 @@ def pack_weight(weight: torch.Tensor) -> None:
     On CPUs with AMX / AVX512-BF16, F.linear reorders a bfloat16 weight on every call; the packed
     copy runs the same GEMM (bit-identical results, tests/test_layer_fast_paths.py) 1.1-2.1x faster
     for decode-sized batches (benchmarks/bench_linear.py). A float32 copy runs oneDNN's GEMM in
-    place of MKL's (``cpu_policy.packs_float32``): values within float32 rounding of F.linear's, a
+    place of MKL's (``cpu_caps.packs_float32``): values within float32 rounding of F.linear's, a
     row's the same at any row count at the tested widths. It costs a second copy of the weight. A
     weight changed in place afterwards (an optimizer step) bumps its version and is read directly again.
     """

@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from eaglet.backends.base import LayerOps
 from eaglet.layers.linear import linear
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RopeConfig, RotaryEmbedding, softmax_scale
 
 if TYPE_CHECKING:
+    from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
     from eaglet.runtime.forward_batch import ForwardBatch
-    from eaglet.layers.attention_backend import AttentionBackend
 
 
 class MLAConfig(Protocol):
@@ -35,13 +36,15 @@ class MLAConfig(Protocol):
 
 
 class MLAAttention(nn.Module):
-    """Projections of one MLA layer; the attention itself is the backend's.
+    """Projections of one MLA layer; the attention itself is the backend's (``MLAAttentionBackend``).
 
     Weights keep the checkpoint names and [out, in] layout. ``input_size`` differs from hidden_size
     only for an EAGLE-3 MLA draft, whose q_a / kv_a projections read the 2*hidden concatenation.
     """
 
-    def __init__(self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, input_size: int | None = None) -> None:
+    def __init__(
+        self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps, input_size: int | None = None
+    ) -> None:
         super().__init__()
         input_size = input_size or config.hidden_size
         self.layer_id = layer_id
@@ -59,12 +62,12 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(input_size, heads_qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, ops)
             self.q_b_proj = nn.Linear(config.q_lora_rank, heads_qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             input_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
         )
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, ops)
         self.kv_b_proj = nn.Linear(
             config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
         )
@@ -112,13 +115,17 @@ class MLAAttention(nn.Module):
             first = [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight, self.q_b_proj.weight]
         return [*first, self.o_proj.weight, self.kv_b_proj.weight]
 
+    def decompress(self, latent: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj of cached latents [S, L]: each token's keys' nope part and values, [S, H * (P + V)]."""
+        return linear(latent, self.kv_b_proj.weight)
+
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        backend: AttentionBackend,
+        attention: MLAAttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if not self.has_q_lora:
@@ -142,5 +149,5 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = self.rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
-        attn = backend.forward(self, q_nope, q_pe, c_kv, k_pe, batch)  # [T, H, V]
+        attn = attention.forward(self, q_nope, q_pe, c_kv, k_pe, batch)  # [T, H, V]
         return linear(attn.reshape(num_tokens, self.num_heads * self.v_head_dim), self.o_proj.weight, self.o_proj.bias)

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
+from eaglet.backends.base import LayerOps
+from eaglet.backends.pytorch.gemm_rows import MIN_BMM_ROWS, rows_at_least
+from eaglet.layers.linear import linear
 
 
 class MoEConfig(Protocol):
@@ -60,7 +62,7 @@ class SwiGLU(nn.Module):
 class NoAuxRouter(nn.Module):
     """Sigmoid scores, selection biased by e_score_correction_bias within the best expert groups."""
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, config: MoEConfig, ops: LayerOps) -> None:
         super().__init__()
         num_experts = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
@@ -70,30 +72,14 @@ class NoAuxRouter(nn.Module):
         self.topk_group = config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.fused = False  # torch.ops.eaglet.noaux_route (eaglet.kernels.use_cpu_kernels)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
-        if self.fused and not torch.is_grad_enabled():
-            return torch.ops.eaglet.noaux_route(
-                x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-                self.norm_topk_prob, self.routed_scaling_factor,
-            )
-        # At least MIN_GEMM_ROWS rows: a token's scores do not depend on how many tokens are routed.
-        scores = F.linear(rows_at_least(x.float(), MIN_GEMM_ROWS), self.weight)[: x.shape[0]].sigmoid()
-        biased = scores + self.e_score_correction_bias
-        if self.topk_group < self.n_group:  # otherwise every group is kept
-            num_tokens, num_experts = biased.shape
-            grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-            biased = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(num_tokens, num_experts)
-        expert_ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, expert_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, expert_ids
+        return self.ops.noaux_route(
+            x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+            self.norm_topk_prob, self.routed_scaling_factor,
+        )
 
 
 DENSE_MAX_WEIGHT_BYTES = 1 << 20
@@ -208,9 +194,9 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, config: MoEConfig, ops: LayerOps) -> None:
         super().__init__()
-        self.gate = NoAuxRouter(config)
+        self.gate = NoAuxRouter(config, ops)
         self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = (
             SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eaglet.backends.base import LayerOps
+from eaglet.backends.pytorch.layer_ops import rotate
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -63,14 +65,9 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the last dimension of q/k by position.
+    """Rotates the last dimension of q/k by position (``interleave``: see ``backends.pytorch.layer_ops.rotate``)."""
 
-    With ``interleave`` the input pairs are (x0,x1),(x2,x3),...; the output is laid out as
-    [rotated evens, rotated odds], which is what transformers produces. Only q.k matters, and q and
-    k always go through the same layout, so the cached k_pe stays consistent.
-    """
-
-    def __init__(self, dim: int, rope: RopeConfig, interleave: bool) -> None:
+    def __init__(self, dim: int, rope: RopeConfig, interleave: bool, ops: LayerOps) -> None:
         super().__init__()
         if rope.rope_type == "yarn":
             inv_freq, self.attention_factor = _yarn_inv_freq(dim, rope)
@@ -79,7 +76,7 @@ class RotaryEmbedding(nn.Module):
             self.attention_factor = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
-        self.fused = False  # torch.ops.eaglet.rope_query_key (eaglet.kernels.use_cpu_kernels)
+        self.ops = ops
         self._tables: dict[torch.dtype, torch.Tensor] = {}  # cos_sin_as's, per dtype
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,22 +106,9 @@ class RotaryEmbedding(nn.Module):
     def rotate_query_and_key(
         self, q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLA's per-head q_pe [T, H, dim] and shared k_pe [T, dim], rotated in one call (k_pe as an
-        extra head: the same elementwise arithmetic, half the ops)."""
-        if self.fused and q_pe.dtype == cos.dtype == sin.dtype and not torch.is_grad_enabled():
-            return torch.ops.eaglet.rope_query_key(q_pe, k_pe, cos, sin, self.interleave)
-        heads = q_pe.shape[1]
-        rotated = self(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
-        return rotated[:, :heads], rotated[:, heads]
+        """MLA's per-head q_pe [T, H, dim] and shared k_pe [T, dim], rotated in one call."""
+        return self.ops.rope_query_key(q_pe, k_pe, cos, sin, self.interleave)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., dim]; cos/sin: [T, dim/2], float32 or already in x's dtype (``cos_sin_as``)."""
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-        cos = cos.view(shape).to(x.dtype)
-        sin = sin.view(shape).to(x.dtype)
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotate(x, cos, sin, self.interleave)

@@ -13,85 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from eaglet import kernels
+from eaglet.backends.base import SamplingOps
 from eaglet.sampling_params import SamplingParams
 
-__all__ = ["greedy_tokens", "sample", "shaped_probs", "top_k_logprobs"]
+__all__ = ["sample", "shaped_probs"]
 
 
-# Vocabulary-wide reductions read the logits in blocks of this many columns: a max per block first
-# (one vectorised pass), then only the winning blocks. CPU torch's max(dim) / topk over a whole row
-# are 2x (max) to 2-3x (topk) slower than that for the [rows, 32000+] logits of a verify or draft step.
-VOCAB_BLOCK = 128
-# Below this vocabulary the blocked reductions cost more ops than they save (measured: 1024 entries
-# 3x slower than argmax / log_softmax + topk, 8192 on par, 32000 2x faster).
-BLOCKED_MIN_VOCAB = 8192
-
-
-def _use_kernels(logits: torch.Tensor) -> bool:
-    return kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu"
-
-
-def greedy_tokens(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """``logits.argmax(dim=-1)``: the first index of each row's maximum, NaN counting as the maximum;
-    with ``offsets`` (an EAGLE-3 draft's d2t), each index i shifted to i + offsets[i].
-
-    The first block holding the row maximum, then the first maximum inside it, is argmax's answer;
-    ``max(dim)`` keeps the first maximal index as argmax does (tests/test_sampling.py checks ties and
-    NaNs against argmax)."""
-    if _use_kernels(logits):
-        return torch.ops.eaglet.argmax_last_dim(logits, offsets)  # 4-10x faster than either form below
-    ids = _argmax(logits)
-    return ids if offsets is None else ids + offsets[ids]
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    if vocab % VOCAB_BLOCK or vocab < BLOCKED_MIN_VOCAB or not logits.is_contiguous():
-        return logits.max(dim=-1).indices
-    blocks = logits.view(*logits.shape[:-1], vocab // VOCAB_BLOCK, VOCAB_BLOCK)
-    best_block = blocks.amax(dim=-1).max(dim=-1, keepdim=True).indices  # [..., 1]
-    inside = blocks.gather(-2, best_block[..., None].expand(*best_block.shape, VOCAB_BLOCK)).squeeze(-2)
-    return best_block.squeeze(-1) * VOCAB_BLOCK + inside.max(dim=-1).indices
-
-
-def top_k_logprobs(logits: torch.Tensor, k: int, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities, token ids) of the k most likely tokens of each row of [R, V] logits, in
-    descending order: ``logits.log_softmax(-1).topk(k)``, for the draft's proposals and tree scores;
-    with ``offsets`` (an EAGLE-3 draft's d2t), each id i shifted to i + offsets[i].
-
-    The top k entries of a row lie in the k blocks with the largest block maxima, so topk runs over
-    those k blocks only. (log_softmax normalises: torch's logsumexp runs an exp that is 40x slower
-    on arguments below -87, which a confident draft's logits reach.) Where the CPU kernels are
-    loaded, one call does it (float32 values within about 1e-6 of log_softmax's)."""
-    if _use_kernels(logits):
-        values, ids = torch.ops.eaglet.topk_logprobs(logits, k, offsets)
-        return values, ids
-    values, ids = _top_k_logprobs(logits, k)
-    return values, ids if offsets is None else ids + offsets[ids]
-
-
-def _top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logprobs = logits.log_softmax(dim=-1)
-    rows, vocab = logprobs.shape
-    if vocab % VOCAB_BLOCK or vocab < max(BLOCKED_MIN_VOCAB, 4 * VOCAB_BLOCK * k):
-        top = logprobs.topk(k, dim=-1)
-        return top.values, top.indices
-    blocks = logprobs.view(rows, vocab // VOCAB_BLOCK, VOCAB_BLOCK)
-    top_blocks = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [R, k]
-    candidates = blocks.gather(1, top_blocks[:, :, None].expand(rows, k, VOCAB_BLOCK)).view(rows, k * VOCAB_BLOCK)
-    top = candidates.topk(k, dim=-1)
-    token_ids = top_blocks.gather(1, top.indices // VOCAB_BLOCK) * VOCAB_BLOCK + top.indices % VOCAB_BLOCK
-    return top.values, token_ids
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], ops: SamplingOps
+) -> torch.Tensor:
     """logits [B, V] float32 (already processed) -> token ids [B].
 
-    Greedy rows (temperature 0 or top_k 1): argmax, first index on ties. Other rows: one
+    Greedy rows (temperature 0 or top_k 1): ``ops.argmax``, first index on ties. Other rows: one
     ``torch.multinomial`` draw from ``shaped_probs`` with the row's own generator (None: the global RNG).
     """
-    tokens = greedy_tokens(logits)
+    tokens = ops.argmax(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return tokens

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.layers.attention_backend import AttentionBackend
+from eaglet.backends.base import Backend
+from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
 from eaglet.layers.linear import logits_argmax, logits_linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
 from eaglet.models.config import ModelConfig, TextConfig, parse_text_config, refuse_quantization
+from eaglet.runtime.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from eaglet.kernels.decoder_stack import FusedDecoderStack
@@ -42,14 +43,15 @@ class ForwardOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, layer_id, rotary)
+        ops = backend.layers
+        self.self_attn = MLAAttention(config, layer_id, rotary, ops)
         self.mlp: nn.Module = (
-            MoE(config) if config.is_moe_layer(layer_id) else SwiGLU(config.hidden_size, config.intermediate_size)
+            MoE(config, ops) if config.is_moe_layer(layer_id) else SwiGLU(config.hidden_size, config.intermediate_size)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -57,37 +59,37 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        backend: AttentionBackend,
+        attention: MLAAttentionBackend,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, backend)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, attention)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, backend: Backend) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_interleave)
+        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_interleave, backend.layers)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.layers)
         # All layers in one kernel call for the batches it takes (eaglet.kernels.use_cpu_kernels).
         self.decoder_stack: FusedDecoderStack | None = None
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: ForwardBatch, attention: MLAAttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, D], captured residual streams or None)."""
         hidden = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin_as(batch.positions, hidden.dtype)
         capture_order = sorted(set(batch.capture_layers))
         stacked = None
         if self.decoder_stack is not None:
-            stacked = self.decoder_stack.forward(hidden, cos, sin, batch, backend, capture_order)
+            stacked = self.decoder_stack.forward(hidden, cos, sin, batch, attention, capture_order)
         if stacked is not None:
             hidden, *captured = stacked
         else:
             captured = []
             for layer_id, layer in enumerate(self.layers):
-                hidden = layer(hidden, cos, sin, batch, backend)
+                hidden = layer(hidden, cos, sin, batch, attention)
                 if layer_id in batch.capture_layers:
                     captured.append(hidden)
         aux = None
@@ -99,15 +101,15 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, backend: Backend) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV3Model(config)
+        self.model = DeepseekV3Model(config, backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig) -> DeepseekV3ForCausalLM:
-        return cls(config.text)
+    def from_model_config(cls, config: ModelConfig, backend: Backend) -> DeepseekV3ForCausalLM:
+        return cls(config.text, backend)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -135,11 +137,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         ids = "|".join(str(first + i) for i in range(self.config.num_nextn_predict_layers))
         return (re.compile(rf"{re.escape(prefix)}model\.layers\.({ids})\."),)
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, attention: MLAAttentionBackend) -> ForwardOutput:
         for layer_id in batch.capture_layers:
             if not 0 <= layer_id < self.config.num_hidden_layers:
                 raise ValueError(f"capture layer {layer_id} out of range 0..{self.config.num_hidden_layers - 1}")
-        hidden, aux = self.model(batch, backend)
+        hidden, aux = self.model(batch, attention)
         rows = hidden[batch.logits_indices]
         if batch.greedy_ids_only:
             ids = logits_argmax(rows, self.lm_head.weight)

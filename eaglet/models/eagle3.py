@@ -35,22 +35,24 @@ import torch
 from torch import nn
 
 from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.runtime.kv_cache import KVCacheManager, LatentKVPool
+from eaglet.runtime.kv_cache import GQAKVPool, KVCacheManager, LatentKVPool
 from eaglet.errors import CheckpointError, ConfigError
-from eaglet.layers.attention_backend import FusedCPUMLABackend, TorchNativeMLABackend
-from eaglet.layers.gqa_attention import GQAAttention, GQAKVPool, LlamaRotaryEmbedding, TorchNativeGQABackend
+from eaglet.backends.base import Backend
+from eaglet.backends.pytorch.gqa_attention import TorchGQAAttention
+from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
+from eaglet.layers.gqa_attention import GQAAttention, LlamaRotaryEmbedding
 from eaglet.layers.linear import linear, logits_linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
-from eaglet.layers.sampler import greedy_tokens, top_k_logprobs
 from eaglet.models.config import ModelConfig, read_config_json
 from eaglet.models.eagle3_config import Eagle3Config
 from eaglet.models.loader import checkpoint_files, load_weights, skip_init
 
 if TYPE_CHECKING:
     from eaglet.kernels.decoder_stack import FusedMidlayer
+
 
 @dataclass
 class DraftOutput:
@@ -61,15 +63,15 @@ class DraftOutput:
 class Eagle3DecoderLayer(nn.Module):
     """The EAGLE-3 midlayer: attention over cat(input_layernorm(emb), hidden_norm(h)), then SwiGLU."""
 
-    def __init__(self, config: Eagle3Config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Eagle3Config, rotary: RotaryEmbedding, backend: Backend) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.hidden_norm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        hidden, eps, ops = config.hidden_size, config.rms_norm_eps, backend.layers
+        self.input_layernorm = RMSNorm(hidden, eps, ops)
+        self.hidden_norm = RMSNorm(hidden, eps, ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
         self.self_attn: nn.Module
         if config.kind == "mla":
-            self.self_attn = MLAAttention(config.mla, 0, rotary, input_size=2 * hidden)
+            self.self_attn = MLAAttention(config.mla, 0, rotary, ops, input_size=2 * hidden)
         else:
             attn = config.llama
             self.self_attn = GQAAttention(
@@ -91,10 +93,10 @@ class Eagle3DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        backend: Any,
+        attention: MLAAttentionBackend | TorchGQAAttention,
     ) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, cos, sin, batch, backend)
+        hidden = hidden + self.self_attn(x, cos, sin, batch, attention)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -108,6 +110,7 @@ class Eagle3Draft(nn.Module):
     def __init__(
         self,
         config: Eagle3Config,
+        backend: Backend,
         *,
         own_embed_tokens: bool = False,
         own_lm_head: bool = True,
@@ -129,11 +132,12 @@ class Eagle3Draft(nn.Module):
         self.checkpoint_prefix = checkpoint_prefix
         self.layer_prefix = layer_prefix
         self._shared: dict[str, nn.Module] = {}  # target modules (not registered: not the draft's parameters)
+        self.backend = backend
 
         hidden = config.hidden_size
         if config.kind == "mla":
             self.rotary: RotaryEmbedding = RotaryEmbedding(
-                config.mla.qk_rope_head_dim, config.mla.rope, config.mla.rope_interleave
+                config.mla.qk_rope_head_dim, config.mla.rope, config.mla.rope_interleave, backend.layers
             )
         else:
             self.rotary = LlamaRotaryEmbedding(config.llama.head_dim, config.llama.rope)
@@ -141,12 +145,12 @@ class Eagle3Draft(nn.Module):
         num_aux = len(config.aux_layer_ids)
         self.fc = nn.Linear(num_aux * config.target_hidden_size, hidden, bias=False)
         self.fc_norm = (
-            nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(num_aux))
+            nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps, backend.layers) for _ in range(num_aux))
             if config.fc_norm
             else None
         )
-        self.midlayer = Eagle3DecoderLayer(config, self.rotary)
-        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.midlayer = Eagle3DecoderLayer(config, self.rotary, backend)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, backend.layers)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if own_lm_head else None
         # target_id = draft_id + d2t[draft_id]; t2d[target_id]: whether the draft vocabulary holds it.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -236,29 +240,27 @@ class Eagle3Draft(nn.Module):
         attn = self.config.llama
         return GQAKVPool(1, num_slots, attn.num_key_value_heads, attn.head_dim, dtype, device)
 
-    def make_backend(
-        self, cache: KVCacheManager, pool: LatentKVPool | GQAKVPool, fused: bool = False
-    ) -> TorchNativeMLABackend | TorchNativeGQABackend:
-        """``fused``: an MLA draft attends with the fused CPU kernel (FusedCPUMLABackend)."""
+    def make_attention(self, cache: KVCacheManager, pool: LatentKVPool | GQAKVPool) -> MLAAttentionBackend | TorchGQAAttention:
+        """Attention over the draft's pool: the backend's MLA attention, or PyTorch GQA for a Llama draft."""
         if self.config.kind == "mla":
-            return FusedCPUMLABackend(cache, pool) if fused else TorchNativeMLABackend(cache, pool)
-        return TorchNativeGQABackend(cache, pool)
+            return self.backend.mla_attention(cache, pool)
+        return TorchGQAAttention(cache, pool)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     def greedy_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """The target ids of the draft's argmax over its vocabulary."""
-        return greedy_tokens(logits, self.d2t)
+        return self.backend.sampling.argmax(logits, self.d2t)
 
     def top_k_target_ids(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``top_k_logprobs`` of the draft's logits, its ids mapped to target ids."""
-        return top_k_logprobs(logits, k, self.d2t)
+        """``topk_logprobs`` of the draft's logits, its ids mapped to target ids."""
+        return self.backend.sampling.topk_logprobs(logits, k, self.d2t)
 
     def forward(
         self,
         batch: ForwardBatch,
-        backend: Any,
+        attention: MLAAttentionBackend | TorchGQAAttention,
         hidden: torch.Tensor,
         *,
         hidden_is_target_features: bool,
@@ -281,8 +283,8 @@ class Eagle3Draft(nn.Module):
         emb = batch.input_embeds if batch.input_embeds is not None else self.embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin_as(batch.positions, self.fc.weight.dtype)
         emb, hidden = emb.to(hidden.dtype), hidden.to(self.fc.weight.dtype)
-        fused = self.fused_midlayer.forward(emb, hidden, cos, sin, batch, backend) if self.fused_midlayer is not None else None
-        hidden = fused if fused is not None else self.midlayer(emb, hidden, cos, sin, batch, backend)
+        fused = self.fused_midlayer.forward(emb, hidden, cos, sin, batch, attention) if self.fused_midlayer is not None else None
+        hidden = fused if fused is not None else self.midlayer(emb, hidden, cos, sin, batch, attention)
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
         lm_head = self.lm_head_module()
@@ -309,6 +311,7 @@ def load_eagle3_draft(
     path: str | Path,
     target: ModelConfig,
     dtype: torch.dtype,
+    backend: Backend,
     show_progress: bool = False,
 ) -> tuple[Eagle3Draft, Eagle3Config]:
     """Reads config.json + safetensors of an EAGLE-3 draft checked against its target's config.
@@ -327,7 +330,7 @@ def load_eagle3_draft(
                     f"checkpoint has no {name} of its own (it would share the target's)"
                 )
     with skip_init(dtype):
-        draft = Eagle3Draft(config, **layout)
+        draft = Eagle3Draft(config, backend, **layout)
     for param in draft.parameters():
         param.requires_grad_(False)
     load_weights(draft.eval(), path, show_progress=show_progress)

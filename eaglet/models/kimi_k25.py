@@ -13,8 +13,9 @@ import re
 import torch
 from torch import nn
 
+from eaglet.backends.base import Backend
+from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
 from eaglet.errors import ConfigError
-from eaglet.layers.attention_backend import AttentionBackend
 from eaglet.models.config import ModelConfig, parse_text_config, refuse_quantization
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
 from eaglet.models.kimi_k25_vision import KimiProjector, KimiVisionConfig, KimiVisionTower
@@ -47,16 +48,16 @@ def parse_kimi_k25_config(raw: dict) -> ModelConfig:
 
 
 class KimiK25ForConditionalGeneration(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
         super().__init__()
         self.config = config
         self.vision_tower = KimiVisionTower(config.vision)
         self.mm_projector = KimiProjector(config.vision)
-        self.language_model = DeepseekV3ForCausalLM(config.text)
+        self.language_model = DeepseekV3ForCausalLM(config.text, backend)
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig) -> KimiK25ForConditionalGeneration:
-        return cls(config)
+    def from_model_config(cls, config: ModelConfig, backend: Backend) -> KimiK25ForConditionalGeneration:
+        return cls(config, backend)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -70,5 +71,5 @@ class KimiK25ForConditionalGeneration(nn.Module):
         dtype = self.mm_projector.proj[0].weight.dtype
         return self.mm_projector(self.vision_tower(pixel_values.to(dtype), grid_thws))
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> ForwardOutput:
-        return self.language_model(batch, backend)
+    def forward(self, batch: ForwardBatch, attention: MLAAttentionBackend) -> ForwardOutput:
+        return self.language_model(batch, attention)

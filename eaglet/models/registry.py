@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eaglet.backends.base import Backend
+from eaglet.backends.cpu_caps import auto_dtype
 from eaglet.errors import ConfigError
-from eaglet.layers.cpu_policy import auto_dtype
 from eaglet.models.config import ModelConfig, read_config_json
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, parse_deepseek_v3_config
 from eaglet.models.kimi_k25 import KimiK25ForConditionalGeneration, parse_kimi_k25_config
@@ -24,7 +25,7 @@ from eaglet.models.loader import load_weights, skip_init
 
 @dataclass(frozen=True)
 class ModelEntry:
-    model_class: type[nn.Module]  # with a from_model_config(ModelConfig) constructor
+    model_class: type[nn.Module]  # with a from_model_config(ModelConfig, Backend) constructor
     parse_config: Callable[[dict], ModelConfig]
     load_weights: Callable[..., None] = load_weights
 
@@ -55,7 +56,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A supported torch dtype from its name; ``"auto"`` picks what this CPU runs fastest (cpu_policy)."""
+    """A supported torch dtype from its name; ``"auto"`` picks what this CPU runs fastest (cpu_caps)."""
     if dtype == "auto":
         return auto_dtype()
     if isinstance(dtype, torch.dtype):
@@ -67,18 +68,20 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return SUPPORTED_DTYPES[dtype]
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, backend: Backend) -> nn.Module:
     with skip_init(dtype):
-        model = MODELS[config.architecture].model_class.from_model_config(config)
+        model = MODELS[config.architecture].model_class.from_model_config(config, backend)
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval()
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", show_progress: bool = True) -> tuple[nn.Module, ModelConfig]:
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", *, backend: Backend, show_progress: bool = True
+) -> tuple[nn.Module, ModelConfig]:
     raw = read_config_json(model_dir)
     entry = entry_for(raw)
     config = entry.parse_config(raw)
-    model = build_model(config, resolve_dtype(dtype))
+    model = build_model(config, resolve_dtype(dtype), backend)
     entry.load_weights(model, model_dir, show_progress=show_progress)
     return model, config

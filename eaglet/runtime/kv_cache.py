@@ -21,13 +21,29 @@ step) writes nothing to the table.
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 import torch
 
-from eaglet import kernels
+from eaglet.errors import EagletError
 from eaglet.runtime.forward_batch import long_tensor
 
-from eaglet.errors import EagletError
+
+class CacheOps(Protocol):
+    """The cache's bookkeeping that a backend implements (``eaglet.backends``)."""
+
+    def copy_slots(self, buffer: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's entries of slots ``src`` of a [layers, slots, ...] buffer go to slots
+        ``dst`` (distinct slots); entries already in place are skipped."""
+        ...
+
+    def scratch_slots(self, req_to_token: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, scratch: int) -> torch.Tensor:
+        """[B, scratch]: the slots of row indices prefix[b] .. prefix[b] + scratch - 1 of ``rows``."""
+        ...
+
+    def write_block_entries(self, req_to_token: torch.Tensor, new_blocks: list[int], block_size: int) -> None:
+        """Writes the table entries of new blocks, given as flattened (row, block index, block) triples."""
+        ...
 
 
 class OutOfCacheBlocks(EagletError):
@@ -82,15 +98,32 @@ class LatentKVPool:
         buf[out_cache_loc, :latent_dim] = c_kv.to(buf.dtype)
         buf[out_cache_loc, latent_dim:] = k_pe.to(buf.dtype)
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every layer's entries of slots ``src`` go to slots ``dst`` (distinct slots); entries already
-        in place are skipped (in one kernel call where the CPU kernels are loaded)."""
-        if kernels.loaded() and self.kv.device.type == "cpu":
-            torch.ops.eaglet.copy_cache_slots(self.kv, src, dst)
-            return
-        moved = src != dst
-        if moved.any():
-            self.kv[:, dst[moved]] = self.kv[:, src[moved]]
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.kv]
+
+
+class GQAKVPool:
+    """One model's K and V buffers [num_layers, num_slots, num_kv_heads, head_dim] over the shared slots."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def write(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer_id][out_cache_loc] = k.to(self.k.dtype)
+        self.v[layer_id][out_cache_loc] = v.to(self.v.dtype)
+
+    def buffers(self) -> list[torch.Tensor]:
+        layers, slots = self.k.shape[:2]
+        return [self.k.view(layers, slots, -1), self.v.view(layers, slots, -1)]
 
 
 class KVCacheManager:
@@ -106,8 +139,10 @@ class KVCacheManager:
         max_requests: int,
         max_context_len: int,
         dtype: torch.dtype,
+        ops: CacheOps,
         device: torch.device | str = "cpu",
     ) -> None:
+        self.ops = ops
         self.block_size = block_size
         self.max_context_len = max_context_len
         self.allocator = BlockAllocator(num_blocks)
@@ -221,10 +256,8 @@ class KVCacheManager:
 
     def scratch_slots(self, rows: torch.Tensor, prefix: torch.Tensor, scratch: int) -> torch.Tensor:
         """[B, scratch]: the cache slots of row indices prefix[b] .. prefix[b] + scratch - 1 of each
-        of ``rows`` (one kernel call where the CPU kernels are loaded)."""
-        if kernels.loaded() and self.req_to_token.device.type == "cpu":
-            return torch.ops.eaglet.scratch_slots(self.req_to_token, rows, prefix, scratch)
-        return self.req_to_token[rows[:, None], prefix[:, None] + torch.arange(scratch, device=prefix.device)]
+        of ``rows``."""
+        return self.ops.scratch_slots(self.req_to_token, rows, prefix, scratch)
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drops positions >= new_len (rejected speculative tokens); frees blocks no longer needed."""
@@ -259,23 +292,10 @@ class KVCacheManager:
             new_blocks += (row, block_index, block)
 
     def _write_blocks(self, new_blocks: list[int]) -> None:
-        """Writes the table entries of ``_new_blocks``' blocks: in one kernel call where the CPU
-        kernels are loaded (a speculative round at batch 16 grows a row's blocks most rounds),
-        else as entries through ``_write_table``."""
-        if not new_blocks:
-            return
-        if kernels.loaded() and self.req_to_token.device.type == "cpu":
-            torch.ops.eaglet.write_block_entries(self.req_to_token, long_tensor(new_blocks).view(-1, 3), self.block_size)
-            return
-        size, width = self.block_size, self.max_context_len
-        table_index: list[int] = []
-        table_slots: list[int] = []
-        for row, block_index, block in zip(new_blocks[::3], new_blocks[1::3], new_blocks[2::3]):
-            start = block_index * size
-            count = min(size, width - start)  # the table may end inside the last block
-            table_index.extend(range(row * width + start, row * width + start + count))
-            table_slots.extend(range(block * size, block * size + count))
-        self._write_table(table_index, table_slots)
+        """Writes the table entries of ``_new_blocks``' blocks (a speculative round at batch 16
+        grows a row's blocks most rounds)."""
+        if new_blocks:
+            self.ops.write_block_entries(self.req_to_token, new_blocks, self.block_size)
 
     def _write_table(self, table_index: list[int], values: list[int]) -> None:
         """Writes table entries (flat indices) in one host-to-tensor copy and one scatter."""
@@ -284,12 +304,13 @@ class KVCacheManager:
         index, values_t = long_tensor(table_index + values).view(2, -1).to(self.req_to_token.device).unbind(0)
         self.req_to_token.view(-1)[index] = values_t
 
-    def add_pool(self, pool):  # -> the pool
+    def add_pool(self, pool: LatentKVPool | GQAKVPool) -> LatentKVPool | GQAKVPool:
         """Registers another model's buffers (an EAGLE-3 draft) over the same slots."""
         self.pools.append(pool)
         return pool
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Moves every pool's entries from slots src to slots dst (an accepted tree path)."""
-        for pool in self.pools:
-            pool.copy_slots(src, dst)
+    def copy_slots(self, pool: LatentKVPool | GQAKVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves the pool's entries from slots src to slots dst (an accepted tree path); entries
+        already in place are skipped."""
+        for buffer in pool.buffers():
+            self.ops.copy_slots(buffer, src, dst)

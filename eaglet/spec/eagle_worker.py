@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode, long_tensor
-from eaglet.runtime.kv_cache import KVCacheManager
+from eaglet.backends.base import Backend
 from eaglet.executor.model_runner import ModelRunner
 from eaglet.executor.request import Request, record_logprobs
 from eaglet.layers.logits_processor import LogitsRow, process_logits
@@ -39,6 +38,8 @@ from eaglet.layers.sampler import shaped_probs
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.models.eagle3 import Eagle3Draft
 from eaglet.models.eagle3_config import Eagle3Config
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode, long_tensor
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
@@ -85,10 +86,11 @@ class EagleWorker:
         draft_config: Eagle3Config,
         spec: SpeculativeConfig,
         cache: KVCacheManager,
+        backend: Backend,
         eos_token_ids: frozenset[int] = frozenset(),
-        fused_attention: bool = False,
     ) -> None:
         self.runner = runner
+        self.backend = backend
         self.draft = draft
         self.draft_config = draft_config
         self.spec = spec
@@ -96,7 +98,7 @@ class EagleWorker:
         self.eos_token_ids = eos_token_ids
         dtype = next(draft.parameters()).dtype
         self.pool = cache.add_pool(draft.make_kv_pool(cache.num_slots, dtype, cache.device))
-        self.draft_backend = draft.make_backend(cache, self.pool, fused=fused_attention)
+        self.draft_attention = draft.make_attention(cache, self.pool)
         self.capture_layers = tuple(draft_config.aux_layer_ids)
         # Indexed by request row: a round reads its requests' states in one op per field, the
         # draft extend writes them so (per-request tensors cost a stack and an unbind per round).
@@ -188,12 +190,12 @@ class EagleWorker:
             fused = self.draft.fused_midlayer
             k = self.spec.eagle_topk
             if fused is not None and fused.extend_proposals(
-                self.draft, batch, self.draft_backend, features, k, self.states, rows, feature_rows
+                self.draft, batch, self.draft_attention, features, k, self.states, rows, feature_rows
             ):
                 return
             if feature_rows is not None:
                 features = features.index_select(0, feature_rows)
-            out = self.draft(batch, self.draft_backend, features, hidden_is_target_features=True)
+            out = self.draft(batch, self.draft_attention, features, hidden_is_target_features=True)
         self._set_draft_states(rows, out.logits, out.hidden_out)
 
     def _arange(self, n: int) -> torch.Tensor:
@@ -315,7 +317,7 @@ class EagleWorker:
         if fused is not None:  # row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries
             with self._draft_clock:
                 drafted = fused.draft_tree(
-                    self.draft, round_rows.roots, round_rows.rows_t, self.states, k, self.draft_backend, round_rows.prefix,
+                    self.draft, round_rows.roots, round_rows.rows_t, self.states, k, self.draft_attention, round_rows.prefix,
                     round_rows.prefix_t, steps, num_draft_tokens,
                 )
             if drafted is not None:
@@ -337,7 +339,7 @@ class EagleWorker:
             step_batch = self._draft_step_batch(round_rows, frontier_tokens, ancestry, step)
             with self._draft_clock:
                 out = self.draft(
-                    step_batch, self.draft_backend, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
+                    step_batch, self.draft_attention, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
                 )
             top_logprobs, top_ids = self.draft.top_k_target_ids(out.logits, k)
             child_tokens = top_ids.view(batch_size, k * k)
@@ -356,7 +358,7 @@ class EagleWorker:
                 1, parent_rank[:, :, None].expand(-1, -1, out.hidden_out.shape[-1])
             )
             ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
-        return recorder.build_tree(round_rows.roots, num_draft_tokens)
+        return recorder.build_tree(round_rows.roots, num_draft_tokens, self.backend.spec)
 
     def _final_ids(self, requests: list[Request]) -> torch.Tensor | None:
         """[B, S] per request the tokens that would end it wherever it drafts them (EOS unless
@@ -388,7 +390,7 @@ class EagleWorker:
             # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
             with self._draft_clock:
                 chain = fused.draft_chain(
-                    self.draft, round_rows.roots, round_rows.rows_t, self.states, self.draft_backend, round_rows.prefix,
+                    self.draft, round_rows.roots, round_rows.rows_t, self.states, self.draft_attention, round_rows.prefix,
                     round_rows.prefix_t, length - 1, final_ids,
                 )
         if chain is None:
@@ -403,7 +405,7 @@ class EagleWorker:
                         break
                 step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
                 with self._draft_clock:
-                    out = self.draft(step_batch, self.draft_backend, hidden, hidden_is_target_features=False)
+                    out = self.draft(step_batch, self.draft_attention, hidden, hidden_is_target_features=False)
                 tokens.append(self.draft.greedy_target_ids(out.logits))
                 hidden = out.hidden_out
             chain = torch.stack(tokens, dim=1)
@@ -463,17 +465,18 @@ class EagleWorker:
             logits_indices=self._arange(batch_size * n),
             capture_layers=self.capture_layers,
             # With top-1 drafting the tree is a chain: each node sees the rows before it (causal).
-            custom_mask=None if is_chain else tree_attention_mask(tree, prefix, max(round_rows.prefix) + n),
+            custom_mask=None if is_chain else tree_attention_mask(tree, prefix, max(round_rows.prefix) + n, self.backend.spec),
             greedy_ids_only=round_rows.greedy_only,
         )
         with self._verify_clock:
-            output = self.runner.model(batch, self.runner.backend)
+            output = self.runner.model(batch, self.runner.attention)
         if output.greedy_ids is not None:
-            return verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n)), None, output.aux_hidden_states
+            return (verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n), self.backend.spec), None,
+                    output.aux_hidden_states)
         raw_logits = output.logits.view(batch_size, n, -1)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        result = verify_greedy(tree.tokens, tree.parents, logits)
+        result = verify_greedy(tree.tokens, tree.parents, logits, self.backend.spec)
         if sampled_rows:
             idx = torch.tensor(sampled_rows)
             probs = shaped_probs(
@@ -513,7 +516,7 @@ class EagleWorker:
         is_chain: bool,
     ) -> RoundResult:
         """Keeps each request's accepted path, then runs the draft extend over root + path."""
-        commit = result.commit_table(tree.tokens, round_rows.slots, round_rows.prefix_t)
+        commit = result.commit_table(tree.tokens, round_rows.slots, round_rows.prefix_t, self.backend.spec)
         src_slots, dst_slots, positions, feature_rows, ids = commit.entries.unbind(0)
         path_lens_t, seq_lens, last_entries = commit.per_request.unbind(0)
         path_lens = path_lens_t.tolist()  # per request: num_accepted + 1
@@ -522,7 +525,7 @@ class EagleWorker:
         starts = itertools.accumulate(path_lens, initial=0)
         new_tokens = [ids_list[start : start + n] for start, n in zip(starts, path_lens)]
         if not is_chain:  # the target's entries of accepted nodes move to row indices n+1 .. n+a
-            self.cache.target.copy_slots(src_slots, dst_slots)
+            self.cache.copy_slots(self.cache.target, src_slots, dst_slots)
         self.cache.truncate_rows(
             round_rows.rows, [p + n for p, n in zip(round_rows.prefix, path_lens)], reserve=self.spec.scratch_len
         )

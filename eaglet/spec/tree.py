@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglet import kernels
-from eaglet.runtime.forward_batch import long_tensor
+from eaglet.backends.base import SpecOps
+from eaglet.backends.pytorch.spec_ops import node_paths
 
 
 @dataclass
@@ -28,19 +28,8 @@ class DraftTree:
         return int(self.tokens.shape[1])
 
     def node_paths(self) -> list[list[list[int]]]:
-        """[B][N]: the nodes from the root down to node i (both included), walked up the parents
-        in Python: a tree has a few nodes per request."""
-        paths = []
-        for row in self.parents.tolist():
-            row_paths: list[list[int]] = []
-            for i in range(len(row)):
-                path, j = [], i
-                while j >= 0:
-                    path.append(j)
-                    j = row[j]
-                row_paths.append(path[::-1])
-            paths.append(row_paths)
-        return paths
+        """[B][N]: the nodes from the root down to node i (both included)."""
+        return node_paths(self.parents)
 
 
 class CandidateRecorder:
@@ -64,53 +53,17 @@ class CandidateRecorder:
         self.count += m
         return ids
 
-    def build_tree(self, root_tokens: torch.Tensor, num_nodes: int) -> DraftTree:
+    def build_tree(self, root_tokens: torch.Tensor, num_nodes: int, ops: SpecOps) -> DraftTree:
         tokens = torch.cat(self._tokens, dim=1)  # [B, M]
         scores = torch.cat(self._scores, dim=1)
         parents = torch.cat(self._parents, dim=1)
         depths = torch.cat([torch.full((t.shape[1],), d, dtype=torch.long) for t, d in zip(self._tokens, self._depths)])
-        if kernels.loaded() and scores.dtype == torch.float32:
-            return DraftTree(*torch.ops.eaglet.select_draft_tree(tokens, scores, parents, depths, root_tokens, num_nodes))
-        return _select_tree(tokens, scores.double(), parents, depths, root_tokens, num_nodes)
+        return DraftTree(*ops.select_draft_tree(tokens, scores, parents, depths, root_tokens, num_nodes))
 
 
-def _select_tree(
-    tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, root_tokens: torch.Tensor,
-    num_nodes: int,
-) -> DraftTree:
-    batch, num_candidates = tokens.shape
-    # Ties go to the earlier candidate (a parent is always earlier than its children).
-    order_penalty = torch.arange(num_candidates, dtype=torch.float64) * 1e-12
-    keep = (scores - order_penalty).topk(num_nodes - 1, dim=1).indices.sort(dim=1).values  # [B, N-1]
-    # Candidate id -> node index (1-based; the root is node 0).
-    node_of = torch.full((batch, num_candidates), -1, dtype=torch.long)
-    node_of.scatter_(1, keep, torch.arange(1, num_nodes).expand(batch, -1))
-    kept_parents = parents.gather(1, keep)
-    parent_nodes = torch.where(
-        kept_parents < 0, torch.zeros_like(kept_parents), node_of.gather(1, kept_parents.clamp(min=0))
-    )
-    if (parent_nodes < 0).any():
-        raise RuntimeError("draft tree selection kept a node without its parent")
-    root_col = torch.zeros(batch, 1, dtype=torch.long)
-    return DraftTree(
-        tokens=torch.cat([root_tokens[:, None], tokens.gather(1, keep)], dim=1),
-        parents=torch.cat([root_col - 1, parent_nodes], dim=1),
-        depths=torch.cat([root_col, depths[keep]], dim=1),
-    )
-
-
-def tree_attention_mask(tree: DraftTree, prefix_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+def tree_attention_mask(tree: DraftTree, prefix_lens: torch.Tensor, num_keys: int, ops: SpecOps) -> torch.Tensor:
     """[B*N, num_keys] bool for verifying the tree placed at row indices prefix_len .. prefix_len+N-1.
 
     Each node sees its request's whole committed prefix, its ancestors and itself.
     """
-    if kernels.loaded():
-        return torch.ops.eaglet.tree_attention_mask(tree.parents, prefix_lens, num_keys)
-    batch, n = tree.tokens.shape
-    mask = (torch.arange(num_keys)[None, None, :] < prefix_lens[:, None, None]).expand(batch, n, num_keys).contiguous()
-    prefix = prefix_lens.tolist()
-    columns = [
-        (b * n + i) * num_keys + prefix[b] + j for b, row in enumerate(tree.node_paths()) for i, path in enumerate(row) for j in path
-    ]
-    mask.view(-1)[long_tensor(columns)] = True
-    return mask.view(batch * n, num_keys)
+    return ops.tree_attention_mask(tree.parents, prefix_lens, num_keys)

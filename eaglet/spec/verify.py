@@ -36,15 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglet import kernels
-from eaglet.layers.sampler import greedy_tokens
+from eaglet.backends.base import SpecOps
+from eaglet.backends.pytorch.spec_ops import build_tree_index, check_tree_inputs
 
-__all__ = ["VerifyResult", "CommitTable", "TreeIndex", "build_tree_index", "verify_greedy", "verify_greedy_ids", "verify_sampling"]
-
-
-def _long(t: torch.Tensor) -> torch.Tensor:
-    """``t.long()`` without the op call where it is int64 already (the kernels' inputs in a round are)."""
-    return t if t.dtype == torch.long else t.long()
+__all__ = ["VerifyResult", "CommitTable", "verify_greedy", "verify_greedy_ids", "verify_sampling"]
 
 
 @dataclass
@@ -95,30 +90,10 @@ class VerifyResult:
         table[rows, : other.table.shape[1]] = other.table
         return VerifyResult(table)
 
-    def commit_table(self, tokens: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor) -> "CommitTable":
+    def commit_table(self, tokens: torch.Tensor, slots: torch.Tensor, prefix: torch.Tensor, ops: SpecOps) -> "CommitTable":
         """The round's commit for requests whose tree nodes sit at ``slots`` [B, S] (node j at
         slots[b, j]) after a prefix of ``prefix`` [B] tokens (see ``CommitTable``)."""
-        if tokens.device.type == "cpu" and kernels.loaded():
-            return CommitTable(*torch.ops.eaglet.commit_table(self.table, _long(tokens), slots, prefix))
-        n = tokens.shape[1]
-        tokens_l, slots_l, prefix_l = tokens.tolist(), slots.tolist(), prefix.tolist()
-        columns: list[list[int]] = []
-        extend_lens, seq_lens, last, starts = [], [], [], [0]
-        for b, (a, bonus, *nodes) in enumerate(self.table.tolist()):
-            path = [0] + nodes[:a]
-            next_ids = [tokens_l[b][node] for node in path[1:]] + [bonus]
-            columns.extend(
-                [slots_l[b][node], slots_l[b][i], prefix_l[b] + i, b * n + node, next_ids[i]] for i, node in enumerate(path)
-            )
-            extend_lens.append(a + 1)
-            seq_lens.append(prefix_l[b] + a + 1)
-            last.append(starts[-1] + a)
-            starts.append(starts[-1] + a + 1)
-        return CommitTable(
-            entries=torch.tensor(columns, dtype=torch.long).view(-1, 5).t().contiguous(),
-            per_request=torch.tensor([extend_lens, seq_lens, last], dtype=torch.long).view(3, -1),
-            entry_starts=torch.tensor(starts, dtype=torch.long),
-        )
+        return CommitTable(*ops.commit_table(self.table, tokens, slots, prefix))
 
 
 @dataclass
@@ -136,65 +111,6 @@ class CommitTable:
     entry_starts: torch.Tensor  # [B + 1]: each request's first entry, then T
 
 
-@dataclass
-class TreeIndex:
-    valid: torch.Tensor  # [B, N] bool: node is part of the tree (root included)
-    depth: torch.Tensor  # [B, N] depth of each node (root 0; padding 0)
-    children: torch.Tensor  # [B, N, K] k-th child (sibling order) of each node, -1 if none
-    max_depth: int  # D: the largest depth over the batch
-    children_lists: list[list[list[int]]]  # [B][N]: the same children, as lists
-
-
-def build_tree_index(parents: torch.Tensor) -> TreeIndex:
-    """Validates ``parents`` and derives node depths and the per-node child table.
-
-    Trees hold a few nodes per request, so this runs over Python lists (one pass per request)
-    and converts the results once."""
-    if parents.dim() != 2 or parents.shape[1] < 1:
-        raise ValueError(f"parents must be [B, N] with N >= 1, got {tuple(parents.shape)}")
-    batch, n = parents.shape
-    valid: list[list[bool]] = []
-    depth: list[list[int]] = []
-    children: list[list[list[int]]] = []
-    for row in parents.tolist():
-        if row[0] != -1:
-            raise ValueError("node 0 must be the root (parent -1)")
-        row_valid, row_depth = [True] + [False] * (n - 1), [0] * n
-        row_children: list[list[int]] = [[] for _ in range(n)]
-        for node in range(1, n):
-            parent = row[node]
-            if parent >= node or parent < -1:
-                raise ValueError("every node's parent must be -1 or an earlier node")
-            if parent < 0:
-                continue  # padding
-            # A node whose parent is padding would be unreachable: reject it rather than guess.
-            if not row_valid[parent]:
-                raise ValueError("a node's parent is a padding node")
-            row_valid[node], row_depth[node] = True, row_depth[parent] + 1
-            row_children[parent].append(node)
-        valid.append(row_valid)
-        depth.append(row_depth)
-        children.append(row_children)
-    max_depth = max((max(row) for row in depth), default=0)
-    k = max((len(c) for row in children for c in row), default=0) or 1
-    table = [[c + [-1] * (k - len(c)) for c in row] for row in children]
-    device = parents.device
-    return TreeIndex(
-        valid=torch.tensor(valid, dtype=torch.bool, device=device).view(batch, n),
-        depth=torch.tensor(depth, dtype=torch.long, device=device).view(batch, n),
-        children=torch.tensor(table, dtype=torch.long, device=device).view(batch, n, k),
-        max_depth=max_depth,
-        children_lists=children,
-    )
-
-
-def _check_inputs(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, name: str) -> None:
-    if tokens.shape != parents.shape or tokens.dim() != 2:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must both be [B, N]")
-    if scores.dim() != 3 or scores.shape[:2] != tokens.shape:
-        raise ValueError(f"{name} must be [B, N, V] matching tokens {tuple(tokens.shape)}, got {tuple(scores.shape)}")
-
-
 def _path_to(node: torch.Tensor, num: torch.Tensor, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """[B, D] node indices from depth 1 down to ``node`` (at depth ``num``), padded with -1."""
     batch = node.shape[0]
@@ -208,85 +124,16 @@ def _path_to(node: torch.Tensor, num: torch.Tensor, parents: torch.Tensor, max_d
     return out[:, :max_depth]
 
 
-def _verify_greedy_chain(tokens: torch.Tensor, target: torch.Tensor) -> VerifyResult:
-    """``verify_greedy`` for chains: the accepted nodes are the run of leading nodes whose token is
-    the target's pick after the node before. A chain holds a few nodes per request, so the run is
-    found over Python lists (the vectorised form costs about ten tensor ops)."""
-    batch, n = tokens.shape
-    depth = n - 1
-    accepted: list[list[int]] = []
-    num: list[int] = []
-    bonus: list[int] = []
-    for row, picks in zip(tokens.tolist(), target.tolist()):
-        a = 0
-        while a < depth and row[a + 1] == picks[a]:
-            a += 1
-        accepted.append(list(range(1, a + 1)) + [-1] * (depth - a))
-        num.append(a)
-        bonus.append(picks[a])
-    return _greedy_result(accepted, num, bonus, depth, tokens.device)
+def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, ops: SpecOps) -> VerifyResult:
+    """Accepts the longest path whose tokens equal the target argmax at their parents (bad trees
+    raise ValueError in the PyTorch ops, RuntimeError in the kernels)."""
+    return VerifyResult(ops.verify_tree_greedy(tokens, parents, logits))
 
 
-def _greedy_result(accepted: list[list[int]], num: list[int], bonus: list[int], depth: int, device: torch.device) -> VerifyResult:
-    """The result of a walk over lists, in one host-to-tensor copy (each copy of a small list
-    costs about 10 us inside a round)."""
-    table = torch.tensor([[n, b, *nodes] for n, b, nodes in zip(num, bonus, accepted)], dtype=torch.long)
-    return VerifyResult(table.view(len(num), depth + 2).to(device))
-
-
-def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
-    """Accepts the longest path whose tokens equal the target argmax at their parents: one kernel
-    call where the CPU kernels are loaded (it reduces only the logits of nodes on matching paths,
-    so a chain's only up to its first rejection; bad trees raise RuntimeError there, ValueError here)."""
-    if kernels.loaded() and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
-        return VerifyResult(torch.ops.eaglet.verify_tree_greedy(_long(tokens), _long(parents), logits))
-    _check_inputs(tokens, parents, logits, "logits")
-    return _verify_greedy_picks(tokens.long(), parents.long(), greedy_tokens(logits))
-
-
-def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor) -> VerifyResult:
+def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor, ops: SpecOps) -> VerifyResult:
     """``verify_greedy`` given the target's greedy token after every node, [B, N] (a forward that
     returned ``greedy_ids``), instead of its logits."""
-    if kernels.loaded() and target_ids.device.type == "cpu":
-        return VerifyResult(torch.ops.eaglet.verify_tree_greedy_ids(_long(tokens), _long(parents), _long(target_ids)))
-    if tokens.shape != parents.shape or tokens.shape != target_ids.shape or tokens.dim() != 2:
-        raise ValueError(f"tokens, parents and target_ids must all be [B, N], got {tuple(tokens.shape)}, "
-                         f"{tuple(parents.shape)}, {tuple(target_ids.shape)}")
-    return _verify_greedy_picks(tokens.long(), parents.long(), target_ids)
-
-
-def _verify_greedy_picks(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
-    """The list walk of ``verify_greedy`` given the target's next token after each node [B, N]."""
-    batch, n = tokens.shape
-    if torch.equal(parents, (torch.arange(n, device=tokens.device) - 1).expand(batch, n)):  # a chain
-        return _verify_greedy_chain(tokens, target)
-    return _verify_greedy_tree(tokens, parents, target)
-
-
-def _verify_greedy_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> VerifyResult:
-    """``verify_greedy`` for any tree, given the target's pick after each node.
-
-    A tree holds a few nodes per request, so the walk runs over Python lists (a handful of tensor
-    ops would cost more): the accepted path is the deepest one whose every node's token is the
-    target's pick after its parent; among equally deep ones (only possible with duplicate sibling
-    tokens, whose paths then carry identical tokens) the one ending at the lowest node index."""
-    tree = build_tree_index(parents)
-    tokens_l, target_l = tokens.tolist(), target.tolist()
-    accepted: list[list[int]] = []
-    bonus: list[int] = []
-    for b, children in enumerate(tree.children_lists):
-        best: list[int] = []  # node indices below the root of the best path so far
-        stack: list[list[int]] = [[]]
-        while stack:
-            path = stack.pop()
-            if len(path) > len(best) or (len(path) == len(best) and path and path[-1] < best[-1]):
-                best = path
-            pick = target_l[b][path[-1] if path else 0]
-            stack.extend(path + [child] for child in children[path[-1] if path else 0] if tokens_l[b][child] == pick)
-        accepted.append(best + [-1] * (tree.max_depth - len(best)))
-        bonus.append(target_l[b][best[-1] if best else 0])
-    num = [tree.max_depth - row.count(-1) for row in accepted]
-    return _greedy_result(accepted, num, bonus, tree.max_depth, tokens.device)
+    return VerifyResult(ops.verify_tree_greedy_ids(tokens, parents, target_ids))
 
 
 def _draw_uniforms(valid: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -336,7 +183,7 @@ def verify_sampling(
     generators: list[torch.Generator | None],
 ) -> VerifyResult:
     """Lossless tree speculative sampling with one-hot draft proposals (see the module docstring)."""
-    _check_inputs(tokens, parents, probs, "probs")
+    check_tree_inputs(tokens, parents, probs, "probs")
     tokens, parents = tokens.long(), parents.long()
     tree = build_tree_index(parents)
     batch, n, vocab = probs.shape

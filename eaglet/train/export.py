@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from eaglet.backends import torch_backend
 from eaglet.models.config import ModelConfig
 from eaglet.layers.norms import RMSNorm
 from eaglet.models.eagle3 import Eagle3Draft
@@ -109,7 +110,10 @@ def new_draft(
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        draft = Eagle3Draft(config, own_embed_tokens=False, own_lm_head=True, checkpoint_d2t=True, checkpoint_t2d=True)
+        # Trained under autograd: PyTorch ops throughout.
+        draft = Eagle3Draft(
+            config, torch_backend(), own_embed_tokens=False, own_lm_head=True, checkpoint_d2t=True, checkpoint_t2d=True
+        )
         for module in draft.modules():
             if isinstance(module, nn.Linear):
                 module.reset_parameters()  # seeded: the same draft for the same seed

@@ -1,7 +1,7 @@
 """The differentiable EAGLE-3 training forward: eaglet's own draft module over a dense attention.
 
 The training forward calls :meth:`Eagle3Draft.forward` itself (fc / fc_norm, the midlayer, norm,
-lm_head: the very code inference runs) with a flat batch of B padded rows and an attention backend
+lm_head: the very code inference runs) with a flat batch of B padded rows and an attention
 that keeps no paged cache: :class:`DenseTTTMLABackend` / :class:`DenseTTTGQABackend` attend densely
 and differentiably under the training-time-test mask, remembering the keys and values of the
 earlier unroll steps.

@@ -1,31 +1,47 @@
-"""MLA attention backends over the paged latent cache.
+"""MLA attention over the paged latent cache in PyTorch ops.
 
-A backend writes the new tokens' latents to the cache and attends. Model code calls only
-``backend.forward``; a fused kernel can replace :class:`TorchNativeMLABackend` without touching it.
+An attention object writes the new tokens' latents to its pool and attends; model code calls only
+``forward``, so the C++ kernel's version (``eaglet.backends.cpu.mla_attention``) replaces this one
+without touching it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from eaglet.backends.pytorch.gemm_rows import MIN_BMM_ROWS, MIN_GEMM_ROWS, rows_at_least
 from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.runtime.kv_cache import KVCacheManager, LatentKVPool
-from eaglet.layers.linear import MIN_BMM_ROWS, MIN_GEMM_ROWS, linear, rows_at_least
 
 MIN_SOFTMAX_KEYS = 16
-ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN = 4  # FusedCPUMLABackend: extends with at least this many keys per new token
-
-if TYPE_CHECKING:
-    from eaglet.layers.mla import MLAAttention
 
 
-class AttentionBackend(Protocol):
+class MLALayer(Protocol):
+    """What attention reads of an MLA layer (``eaglet.layers.mla.MLAAttention``)."""
+
+    layer_id: int
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    scaling: float
+    w_uk: torch.Tensor  # [H, P, L] float32
+    w_uv_t: torch.Tensor  # [H, L, V] float32
+    amx_projections: tuple[torch.Tensor, ...]
+
+    def decompress(self, latent: torch.Tensor) -> torch.Tensor:
+        """kv_b_proj of cached latents [S, L]: [S, H * (P + V)]."""
+        ...
+
+
+class MLAAttentionBackend(Protocol):
     def forward(
         self,
-        layer: MLAAttention,
+        layer: MLALayer,
         q_nope: torch.Tensor,  # [T, H, P]
         q_pe: torch.Tensor,  # [T, H, R] roped
         c_kv: torch.Tensor,  # [T, L] normalized latent of the new tokens
@@ -35,7 +51,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-class TorchNativeMLABackend:
+class TorchMLAAttention:
     """Plain PyTorch MLA.
 
     EXTEND batches attend in the decompressed form (kv_b_proj applied to each request's cached
@@ -53,7 +69,7 @@ class TorchNativeMLABackend:
 
     def forward(
         self,
-        layer: MLAAttention,
+        layer: MLALayer,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         c_kv: torch.Tensor,
@@ -65,14 +81,14 @@ class TorchNativeMLABackend:
             return self._absorbed(layer, q_nope, q_pe, batch)
         return self._decompressed(layer, q_nope, q_pe, batch)
 
-    def _write(self, layer: MLAAttention, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    def _write(self, layer: MLALayer, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         self.pool.write(layer.layer_id, batch.out_cache_loc, c_kv, k_pe)
 
     def _attends_absorbed(self, batch: ForwardBatch) -> bool:
         return batch.mode != ForwardMode.EXTEND or batch.custom_mask is not None or self.absorbed_extend
 
     def _decompressed(
-        self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
+        self, layer: MLALayer, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         kv_cache = self.pool.kv[layer.layer_id]
         rows = batch.req_pool_indices.tolist()
@@ -82,7 +98,7 @@ class TorchNativeMLABackend:
         for row, prefix_len, num_new in zip(rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu):
             seq_len = prefix_len + num_new
             cached = kv_cache[self.cache.req_to_token[row, :seq_len]]  # [S, L+R]
-            kv = linear(cached[:, :latent], layer.kv_b_proj.weight).view(seq_len, heads, -1)
+            kv = layer.decompress(cached[:, :latent]).view(seq_len, heads, -1)
             k_nope, v = kv.split([nope, layer.v_head_dim], dim=-1)
             k_pe = cached[:, None, latent:].expand(seq_len, heads, layer.qk_rope_head_dim)
             k = torch.cat([k_nope, k_pe], dim=-1)
@@ -97,7 +113,7 @@ class TorchNativeMLABackend:
         return out
 
     def _absorbed(
-        self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
+        self, layer: MLALayer, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """Attention in the latent space, in float32 whatever the cache dtype.
 
@@ -122,7 +138,7 @@ class TorchNativeMLABackend:
             cached = cached.index_select(0, batch.token_to_request())  # [T, S, L+R]
 
         # Padded row counts keep each token's bits independent of how many tokens this pass holds
-        # (MIN_BMM_ROWS, MIN_GEMM_ROWS in linear.py): a verify pass then matches plain decoding.
+        # (gemm_rows.py): a verify pass then matches plain decoding.
         q_nope_by_head = rows_at_least(q_nope.float().transpose(0, 1), MIN_BMM_ROWS, dim=1)
         q_latent = torch.bmm(q_nope_by_head, layer.w_uk)[:, :num_tokens].transpose(0, 1)  # [T, H, L]
         q = torch.cat([q_latent, q_pe.float()], dim=-1)  # [T, H, L+R]
@@ -159,47 +175,3 @@ class TorchNativeMLABackend:
     def _all_keys_visible(batch: ForwardBatch, max_len: int) -> bool:
         """A plain decode step over requests of one length sees every key: no mask needed."""
         return batch.mode == ForwardMode.DECODE and batch.custom_mask is None and min(batch.seq_lens_cpu) == max_len
-
-
-class FusedCPUMLABackend(TorchNativeMLABackend):
-    """TorchNativeMLABackend with the absorbed form in one kernel call per layer
-    (``torch.ops.eaglet.mla_absorbed_attention``, eaglet/kernels), which reads each request's
-    latents straight from the paged cache and computes every token on its own: a token's output
-    does not depend on the batch around it, with no padding. EXTEND batches keep the decompressed
-    form unless they add few tokens to many cached ones. The new tokens' latents go into the pool's
-    buffer in one kernel call too (``mla_cache_write``, what ``LatentKVPool.write`` does).
-    """
-
-    def _write(self, layer: MLAAttention, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        torch.ops.eaglet.mla_cache_write(self.pool.kv[layer.layer_id], batch.out_cache_loc, c_kv, k_pe)
-
-    def _attends_absorbed(self, batch: ForwardBatch) -> bool:
-        # An extend of a few tokens against many cached ones (the draft's extend after each verify)
-        # attends absorbed too: decompressing every cached latent costs more there.
-        return super()._attends_absorbed(batch) or all(
-            n * ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN <= s for n, s in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu)
-        )
-
-    def _absorbed(
-        self, layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        slots, kv_lens, token_starts, custom_mask = self._attention_metadata(batch)
-        return torch.ops.eaglet.mla_absorbed_attention(
-            q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t, slots, kv_lens, token_starts,
-            custom_mask, layer.scaling, *layer.amx_projections,
-        )
-
-    def absorbed_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...] | None:
-        """What the decoder stack (eaglet/kernels/decoder_stack.py) takes for a batch this backend
-        attends absorbed: (the pool's cache [layers, slots, L + R], out_cache_loc, slots, kv_lens,
-        token_starts, custom_mask); None for a batch it attends decompressed."""
-        if not self._attends_absorbed(batch):
-            return None
-        return (self.pool.kv, batch.out_cache_loc, *self._attention_metadata(batch))
-
-    def _attention_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
-        """mla_absorbed_attention's (slots [B, S], kv_lens, token_starts, custom_mask)."""
-        max_len = max(batch.seq_lens_cpu)
-        slots = self._slots(batch, max_len).view(batch.batch_size, max_len)
-        return slots, batch.seq_lens, batch.token_starts(), batch.custom_mask
-
