@@ -461,7 +461,8 @@ def test_metrics_agree_with_responses(spec_server) -> None:
     assert totals["verify_steps"] > 0
     assert delta("eaglet:spec_decode_num_drafts_total") == totals["verify_steps"]
     assert delta("eaglet:spec_decode_num_accepted_tokens_total") == totals["accepted_tokens"]
-    assert delta("eaglet:spec_decode_num_draft_tokens_total") == 3 * totals["verify_steps"]  # 4 draft tokens - root
+    # At most 3 drafts (4 draft tokens - root) per verify step: fewer where a round was cut by its request's finish.
+    assert totals["accepted_tokens"] <= delta("eaglet:spec_decode_num_draft_tokens_total") <= 3 * totals["verify_steps"]
     per_position = [delta("eaglet:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),)) for p in range(3)]
     assert sum(per_position) == totals["accepted_tokens"]
     assert per_position == sorted(per_position, reverse=True)  # position k accepted only after k - 1
