@@ -228,6 +228,10 @@ def test_n_samples(spec_server) -> None:
     assert full.usage.completion_tokens > 16  # the three completions together
     texts, _ = stream_chat(spec_server, messages, n=3, temperature=0.8, seed=7, max_tokens=16)
     assert [texts[j] for j in range(3)] == contents
+    # The largest seed: sample 1's seed wraps around to 0, as torch reads seeds (modulo 2**64).
+    largest = chat(spec_server, messages, n=2, temperature=0.8, seed=2**64 - 1, max_tokens=8)
+    zero = chat(spec_server, messages, temperature=0.8, seed=0, max_tokens=8)
+    assert largest.choices[1].message.content == zero.choices[0].message.content
 
 
 def test_logprobs(spec_server, target) -> None:

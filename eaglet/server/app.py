@@ -9,6 +9,7 @@ off the engine's thread (``PromptEncoder``), so no request's input can stall the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -48,7 +49,7 @@ from eaglet.server.logprobs import (
 from eaglet.server.metrics import ServerMetrics, snapshot_engine
 from eaglet.server.prompts import PromptEncoder
 from eaglet.server.step_tally import StepTally
-from eaglet.server.streams import SampleStreams, sample_params
+from eaglet.server.streams import SampleStreams
 
 logger = logging.getLogger("eaglet.server")
 
@@ -289,7 +290,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
         params = params_of(body, max_tokens, logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt_token_ids": token_ids, "images": images}
-        streams = await start_streams([(prompt, p) for p in sample_params(params, body.n)], request_id)
+        streams = await start_streams([(prompt, p) for p in dataclasses.replace(params, n=body.n).per_sample()], request_id)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _AbortingStreamingResponse(
@@ -376,7 +377,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
             token_ids = await completion_token_ids(prompt)
             max_tokens = max_new_tokens(body.max_tokens, len(token_ids), config.default_completion_max_tokens, "prompt")
             params = params_of(body, max_tokens, body.logprobs, body.logprobs if body.echo else None)
-            requests += [({"prompt_token_ids": token_ids}, p) for p in sample_params(params, body.n)]
+            requests += [({"prompt_token_ids": token_ids}, p) for p in dataclasses.replace(params, n=body.n).per_sample()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await start_streams(requests, request_id)
         echoed = [""] * len(prompts)

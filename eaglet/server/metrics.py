@@ -100,8 +100,11 @@ class _EngineStateCollector(Collector):
         if s.spec is None:
             return
         yield counter("eaglet:spec_decode_num_drafts", "Speculative verify steps (one per request per round).", s.spec.num_drafts)
-        yield counter("eaglet:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec.num_draft_tokens)
-        yield counter("eaglet:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec.num_accepted_tokens)
+        yield counter("eaglet:spec_decode_num_draft_tokens",
+                      "Draft tokens proposed (in a round cut by its request's finish, those before the cut).",
+                      s.spec.num_draft_tokens)
+        yield counter("eaglet:spec_decode_num_accepted_tokens", "Draft tokens accepted and emitted (up to the request's finish).",
+                      s.spec.num_accepted_tokens)
         per_position = CounterMetricFamily(
             "eaglet:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
             labels=["model_name", "position"],

@@ -1,8 +1,8 @@
 """The engine streams of one API request (n samples of each of its prompts), read as one sequence
 of (choice index, output).
 
-Each sample runs as its own engine request (sample j of a seeded request uses seed + j, as
-``LLM.generate`` does; with several prompts, choice i * n + j is sample j of prompt i). Closing a
+Each sample runs as its own engine request (with the seeds of ``SamplingParams.per_sample``, as
+``LLM.generate``; with several prompts, choice i * n + j is sample j of prompt i). Closing a
 ``SampleStreams`` (client gone, response finished, error) cancels every pump, which closes its
 engine stream and so aborts the engine request and frees its cache in the engine thread.
 """
@@ -10,7 +10,6 @@ engine stream and so aborts the engine request and frees its cache in the engine
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,12 +20,6 @@ from eaglet.sampling_params import SamplingParams
 from eaglet.server.metrics import RequestTimer, ServerMetrics
 
 _END = object()
-
-
-def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    if n == 1:
-        return [params]
-    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
 
 
 class SampleStreams:
