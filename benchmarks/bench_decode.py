@@ -9,7 +9,7 @@ What it does, in one process:
 1. Measures the machine's memory read bandwidth (``sum`` of a 1 GiB float32 buffer, all torch
    threads, median of several runs; a copy is reported too) and a GEMM throughput per dtype.
 2. Writes (or reuses, with ``--workdir``) a random DeepSeek-V3 checkpoint of about 70M parameters
-   in the published layout (``tests/checkpoints.py``) and prints its exact parameter count.
+   in the published layout (``eaglet/testing/checkpoints.py``) and prints its exact parameter count.
 3. For every dtype and batch size, decodes ``--new-tokens`` tokens greedily from the same
    ``--prompt-len`` random prompts (one distinct prompt per request) with eaglet and with
    transformers, interleaved, ``--repeats`` times each, and reports medians.
@@ -58,7 +58,6 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 # ~72.5M parameters. The embedding + lm_head (2 x 32000 x 512 = 32.8M) dominate; the routed
 # experts are sized so that a batch-1 step reads a realistic fraction of the model.
@@ -251,7 +250,7 @@ def measure_gemm(dtype: torch.dtype, m: int = 256, n: int = 1024, k: int = 1024,
 
 
 def checkpoint_dir(workdir: Path) -> Path:
-    from checkpoints import write_deepseek_v3_checkpoint
+    from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
 
     key = json.dumps({"cfg": MODEL_CONFIG, "seed": CHECKPOINT_SEED}, sort_keys=True)
     path = workdir / f"deepseek_v3-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
@@ -415,7 +414,7 @@ def load_transformers(path: Path, dtype: torch.dtype):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if dtype == torch.float32:
-        from checkpoints import load_reference_deepseek_v3
+        from eaglet.testing.checkpoints import load_reference_deepseek_v3
 
         model = load_reference_deepseek_v3(path)
     else:

@@ -9,7 +9,7 @@ inter-token latencies (time between output growths, divided by the tokens each g
 speculative block of k tokens counts as k gaps). Reports throughput (generated tokens / makespan),
 TTFT and ITL p50/p99, mean accept length, and the plain/speculative ratio; writes
 ``benchmarks/results/online-<timestamp>.json``. The target is a random Kimi-K2.5 checkpoint turned
-into the echo acceptance dial (tests/spec_fixtures.py), the draft an echo MLA head.
+into the echo acceptance dial (eaglet/testing/echo_checkpoints.py), the draft an echo MLA head.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from runtime_utils import make_image  # noqa: E402
-from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target  # noqa: E402
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target  # noqa: E402
+from eaglet.testing.images import make_image  # noqa: E402
 
 from eaglet import LLM, SamplingParams  # noqa: E402
 

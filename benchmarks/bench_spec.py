@@ -4,7 +4,7 @@
     python benchmarks/bench_spec.py --alpha 0.3 --batch-sizes 1,4,16 --repeats 5
 
 The target is a random DeepSeek-V3 checkpoint (about 20M parameters by default) turned into an
-"acceptance dial" (tests/spec_fixtures.py: lm_head = embed_tokens, residual branches scaled by
+"acceptance dial" (eaglet/testing/echo_checkpoints.py: lm_head = embed_tokens, residual branches scaled by
 ``--alpha``), and the draft an MLA EAGLE-3 head that predicts "the same token again"; the target
 repeats itself more often at small alpha, so acceptance is controlled rather than random. With
 ``--random-draft`` the draft is random instead (acceptance near zero: the worst case).
@@ -31,10 +31,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from draft_checkpoints import write_eagle3_draft  # noqa: E402
-from spec_fixtures import echo_draft, echo_text_target  # noqa: E402
+from eaglet.testing.draft_checkpoints import write_eagle3_draft  # noqa: E402
+from eaglet.testing.echo_checkpoints import echo_draft, echo_text_target  # noqa: E402
 
 from eaglet import LLM, SamplingParams  # noqa: E402
 

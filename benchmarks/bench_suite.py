@@ -8,7 +8,7 @@ Checkpoints (each one shared by every engine that runs on it):
 
 * ``deepseek-fp32`` / ``deepseek-bf16``: a random DeepSeek-V3 of about 72M parameters
   (benchmarks/bench_decode.py's MODEL_CONFIG) turned into the echo acceptance dial
-  (tests/spec_fixtures.py: lm_head = embed_tokens, residual branches scaled by ``--alpha``), with an
+  (eaglet/testing/echo_checkpoints.py: lm_head = embed_tokens, residual branches scaled by ``--alpha``), with an
   echo MLA EAGLE-3 draft; run in float32 and in bfloat16;
 * ``kimi``: a random Kimi-K2.5 (vision tower + MLA/MoE text model) echo dial, one image per prompt;
 * ``demo``: the bundled demo model and its trained draft (``eaglet.demo_model``): held-out scene
@@ -53,7 +53,7 @@ from dataclasses import fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "tests", REPO / "benchmarks"):
+for _path in (REPO, REPO / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -128,20 +128,16 @@ DEEPSEEK_LARGE = dict(
 
 
 def _echo_edit(path: Path, prefix: str, alpha: float) -> None:
-    from spec_fixtures import _edit, _scale_residual_branches
+    from eaglet.testing.echo_checkpoints import make_echo_target
 
-    def edit(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[f"{prefix}lm_head.weight"].copy_(tensors[f"{prefix}model.embed_tokens.weight"])
-        _scale_residual_branches(tensors, alpha)
-
-    _edit(path, edit)
+    make_echo_target(path, alpha, prefix)
 
 
 def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full") -> dict:
     """{"target", "draft", "dtype", "images", "echo"} for a checkpoint name; ``size="tiny"``: test-sized
     models; ``size="large"``: the ~0.55B DeepSeek-V3 (Kimi as "full")."""
-    from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
-    from spec_fixtures import echo_draft
+    from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
+    from eaglet.testing.echo_checkpoints import echo_draft
 
     if name == "demo":
         from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
@@ -175,17 +171,17 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
 
 def make_prompts(ckpt: dict, llm, batch: int, prompt_len: int) -> list:
     """``batch`` distinct prompts: token ids (one image each for Kimi); for the demo, held-out scene
-    description requests in its chat format (tools/demo/evaluate.py), the task its draft was
+    description requests in its chat format (eaglet/testing/demo_task.py), the task its draft was
     measured on, each answered until its own end of turn."""
     vocab = llm.engine.model_config.text.vocab_size
     if not ckpt["echo"]:
-        from tools.demo.evaluate import held_out_prompts
+        from eaglet.testing.demo_task import held_out_prompts
 
         return held_out_prompts(batch, seed=1, kinds=("describe",))
     ids = bench_decode.make_prompts(batch, prompt_len, vocab)
     if not ckpt["images"]:
         return [{"prompt_token_ids": p} for p in ids]
-    from runtime_utils import make_image
+    from eaglet.testing.images import make_image
 
     ids = [[t if t != KIMI_IMAGE_TOKEN else t + 1 for t in p] for p in ids]
     return [{"prompt_token_ids": p[: prompt_len // 2] + [KIMI_IMAGE_TOKEN] + p[prompt_len // 2:],

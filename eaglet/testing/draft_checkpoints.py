@@ -1,6 +1,6 @@
 """Tiny random EAGLE-3 draft checkpoints in the published layout, made at test time.
 
-``write_eagle3_draft`` sizes a draft for a target written by ``tests/checkpoints.py`` (DeepSeek-V3 /
+``write_eagle3_draft`` sizes a draft for a target written by ``eaglet.testing.checkpoints`` (DeepSeek-V3 /
 Kimi-K2 text, or Kimi-K2.5 with its ``text_config``) and writes ``config.json`` +
 ``model.safetensors`` the way SpecForge / SGLang / ModelOpt exports look:
 
@@ -18,7 +18,7 @@ hidden_norm,post_attention_layernorm}.weight``, ``{prefix}.self_attn.*``, ``{pre
 ``norm.weight``, ``lm_head.weight [draft_vocab, H]``, ``d2t`` int64 offsets and ``t2d`` bool built from
 a random sorted hot vocabulary (``d2t[i] = used[i] - i``, ``t2d[j] = j in used``), optional
 ``embed_tokens.weight``. ``root_prefix="model."`` prefixes everything but lm_head / d2t / t2d.
-Linear weights have std 1/sqrt(fan_in), norms 1 + 0.1 N, like ``tests/checkpoints.py``.
+Linear weights have std 1/sqrt(fan_in), norms 1 + 0.1 N, like ``eaglet.testing.checkpoints``.
 """
 
 from __future__ import annotations

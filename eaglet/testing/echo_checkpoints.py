@@ -1,7 +1,7 @@
-"""Targets and drafts for speculative-decoding tests.
+"""Echo targets and drafts: random checkpoints whose EAGLE-3 acceptance is set by a dial.
 
-Random drafts accept almost nothing, which would leave the acceptance paths untested, so the tests
-also use an "echo" pair with a dial (the acceptance dial of shared/reference/peers.md):
+Random drafts accept almost nothing, which would leave the acceptance paths untested (and the
+bench without speculation worth timing), so tests and the bench also use an "echo" pair:
 
 - echo target: lm_head = embed_tokens and every residual branch (o_proj, down_proj) scaled by
   alpha, so the residual stream stays close to the current token's embedding and the target
@@ -16,21 +16,24 @@ accepted, rejected and bonus tokens in the same runs.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
-from draft_checkpoints import write_eagle3_draft
 from safetensors.torch import load_file, save_file
+
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
+from eaglet.testing.draft_checkpoints import write_eagle3_draft
 
 IMAGE_TOKEN = 250
 
 
-def draft_for(target: Path, path: Path, **kwargs) -> Path:
+def draft_for(target: Path, path: Path, **kwargs: Any) -> Path:
     return write_eagle3_draft(path, target, **kwargs)
 
 
-def _edit(checkpoint: Path, edit) -> None:
+def _edit(checkpoint: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
     index_path = checkpoint / "model.safetensors.index.json"
     shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists() else ["model.safetensors"]
     tensors = {}
@@ -47,29 +50,30 @@ def _scale_residual_branches(tensors: dict[str, torch.Tensor], alpha: float) -> 
             tensor.mul_(alpha)
 
 
+def make_echo_target(path: Path, alpha: float, prefix: str = "") -> Path:
+    """Turns a written target into an echo dial in place (``prefix``: where its text model's
+    tensors sit, ``"language_model."`` for Kimi-K2.5)."""
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"{prefix}lm_head.weight"].copy_(tensors[f"{prefix}model.embed_tokens.weight"])
+        _scale_residual_branches(tensors, alpha)
+
+    _edit(path, edit)
+    return path
+
+
 def echo_kimi_target(path: Path, alpha: float, seed: int = 11) -> Path:
     write_kimi_k25_checkpoint(path, {"max_position_embeddings": 256}, seed=seed, image_token_id=IMAGE_TOKEN)
-
-    def edit(tensors: dict[str, torch.Tensor]) -> None:
-        tensors["language_model.lm_head.weight"].copy_(tensors["language_model.model.embed_tokens.weight"])
-        _scale_residual_branches(tensors, alpha)
-
-    _edit(path, edit)
-    return path
+    return make_echo_target(path, alpha, prefix="language_model.")
 
 
-def echo_text_target(path: Path, alpha: float, text_overrides: dict | None = None, seed: int = 11, dtype=torch.float32) -> Path:
+def echo_text_target(path: Path, alpha: float, text_overrides: dict | None = None, seed: int = 11,
+                     dtype: torch.dtype = torch.float32) -> Path:
     write_deepseek_v3_checkpoint(path, text_overrides, seed=seed, dtype=dtype)
-
-    def edit(tensors: dict[str, torch.Tensor]) -> None:
-        tensors["lm_head.weight"].copy_(tensors["model.embed_tokens.weight"])
-        _scale_residual_branches(tensors, alpha)
-
-    _edit(path, edit)
-    return path
+    return make_echo_target(path, alpha)
 
 
-def echo_draft(target: Path, path: Path, *, kind: str, seed: int = 0, alpha: float = 0.01, **kwargs) -> Path:
+def echo_draft(target: Path, path: Path, *, kind: str, seed: int = 0, alpha: float = 0.01, **kwargs: Any) -> Path:
     kwargs.setdefault("draft_vocab_size", None)
     write_eagle3_draft(path, target, kind=kind, seed=seed, **kwargs)
 
