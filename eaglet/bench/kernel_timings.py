@@ -1,6 +1,6 @@
 """eaglet's fused CPU kernels (eaglet/kernels) against the PyTorch ops they replace, in one process.
 
-    python benchmarks/bench_kernels.py [--reps 30]
+    python -m eaglet.bench.kernel_timings [--reps 30]
 
 Per op and shape: median microseconds of each and the ratio PyTorch / kernel (above 1: the kernel
 is faster), with the largest difference between the two outputs. Shapes: the bench's 72M

@@ -4,7 +4,7 @@
 venv) and reads one JSON object from the last line of its stdout; everything else it prints (vLLM's
 logs) goes to stderr. It imports nothing from eaglet, since that venv has its own torch.
 
-    ~/.cache/eaglet/vllm-venv/bin/python benchmarks/vllm_runner.py '{"model": "/ckpt", "dtype": "float32",
+    ~/.cache/eaglet/vllm-venv/bin/python eaglet/bench/vllm_runner.py '{"model": "/ckpt", "dtype": "float32",
         "prompts": [[5, 6, 7]], "batch_sizes": [1], "new_tokens": 16, "repeats": 3,
         "speculative": {"model": "/draft", "num_speculative_tokens": 3}}'
 

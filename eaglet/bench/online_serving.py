@@ -1,21 +1,20 @@
 """Online serving benchmark: Poisson arrivals of mixed text and image requests, with and without EAGLE-3.
 
-    python benchmarks/bench_online.py                     # 64 requests at 4 req/s
-    python benchmarks/bench_online.py --num-requests 32 --rate 8
+    python -m eaglet.bench.online_serving                     # 64 requests at 4 req/s
+    python -m eaglet.bench.online_serving --num-requests 32 --rate 8
 
 One process drives ``Engine.step()`` and admits each request when its (seeded) Poisson arrival time
 has passed, so both runs see the same workload. Per request: TTFT (arrival to first token) and
 inter-token latencies (time between output growths, divided by the tokens each growth brought, so a
 speculative block of k tokens counts as k gaps). Reports throughput (generated tokens / makespan),
 TTFT and ITL p50/p99, mean accept length, and the plain/speculative ratio; writes
-``benchmarks/results/online-<timestamp>.json``. The target is a random Kimi-K2.5 checkpoint turned
-into the echo acceptance dial (eaglet/testing/echo_checkpoints.py), the draft an echo MLA head.
+``<--results-dir>/online-<timestamp>.json``. The target is a random Kimi-K2.5 checkpoint turned
+into the echo acceptance dial (eaglet.testing.echo_checkpoints), the draft an echo MLA head.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,13 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target  # noqa: E402
-from eaglet.testing.images import make_image  # noqa: E402
-
-from eaglet import LLM, SamplingParams  # noqa: E402
+from eaglet import LLM, SamplingParams
+from eaglet.bench.results_files import write_record
+from eaglet.bench.settings import DEFAULT_RESULTS_DIR
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target
+from eaglet.testing.images import make_image
 
 
 def workload(n: int, rate: float, seed: int) -> list[tuple[float, dict, SamplingParams]]:
@@ -50,7 +47,7 @@ def workload(n: int, rate: float, seed: int) -> list[tuple[float, dict, Sampling
     return requests
 
 
-def run(llm: LLM, requests) -> dict:
+def run(llm: LLM, requests: list[tuple[float, dict, SamplingParams]]) -> dict:
     engine = llm.engine
     start = time.perf_counter()
     pending = list(requests)
@@ -101,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     workdir = Path(tempfile.mkdtemp(prefix="eaglet-online-"))
@@ -140,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         if policy["adaptive"]:
             print(f"{name}: decode steps per level: {policy['decode_steps_per_level']}; "
                   f"chosen level per batch bucket: {policy['best_level_per_batch_bucket']}")
-    out = REPO / "benchmarks" / "results" / f"online-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": vars(args), "ratios": ratios, "policies": policies,
-                               "results": {k: {m: v for m, v in r.items() if m != "outputs"} for k, r in results.items()}}, indent=2))
-    print(f"wrote {out.relative_to(REPO)}")
+    out = write_record(args.results_dir, "online", {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "ratios": ratios, "policies": policies,
+        "results": {k: {m: v for m, v in r.items() if m != "outputs"} for k, r in results.items()}})
+    print(f"wrote {out}")
     return 0
 
 

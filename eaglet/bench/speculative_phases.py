@@ -1,10 +1,10 @@
 """EAGLE-3 speculative decoding benchmark: eaglet with and without speculation, same target.
 
-    python benchmarks/bench_spec.py                       # batch 1 and 8, chain and tree, echo dial 1.0
-    python benchmarks/bench_spec.py --alpha 0.3 --batch-sizes 1,4,16 --repeats 5
+    python -m eaglet.bench.speculative_phases                       # batch 1 and 8, chain and tree, echo dial 1.0
+    python -m eaglet.bench.speculative_phases --alpha 0.3 --batch-sizes 1,4,16 --repeats 5
 
 The target is a random DeepSeek-V3 checkpoint (about 20M parameters by default) turned into an
-"acceptance dial" (eaglet/testing/echo_checkpoints.py: lm_head = embed_tokens, residual branches scaled by
+"acceptance dial" (eaglet.testing.echo_checkpoints: lm_head = embed_tokens, residual branches scaled by
 ``--alpha``), and the draft an MLA EAGLE-3 head that predicts "the same token again"; the target
 repeats itself more often at small alpha, so acceptance is controlled rather than random. With
 ``--random-draft`` the draft is random instead (acceptance near zero: the worst case).
@@ -13,13 +13,12 @@ For each batch size, decoding is timed from the first decode step (prefill exclu
 ``engine.step()``; tokens/s = generated tokens after the first / decode time; medians over
 ``--repeats``. The speculative rounds are split into draft forwards, the target verify forward and
 bookkeeping (tree building, masks, acceptance, cache moves, batch metadata), from the worker's
-phase timer. Results go to stdout and ``benchmarks/results/spec-<timestamp>.json``.
+phase timer. Results go to stdout and ``<--results-dir>/spec-<timestamp>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -29,13 +28,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eaglet.testing.draft_checkpoints import write_eagle3_draft  # noqa: E402
-from eaglet.testing.echo_checkpoints import echo_draft, echo_text_target  # noqa: E402
-
-from eaglet import LLM, SamplingParams  # noqa: E402
+from eaglet import LLM, SamplingParams
+from eaglet.bench.results_files import write_record
+from eaglet.bench.settings import DEFAULT_RESULTS_DIR
+from eaglet.testing.draft_checkpoints import write_eagle3_draft
+from eaglet.testing.echo_checkpoints import echo_draft, echo_text_target
 
 TARGET = dict(
     vocab_size=8000, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
@@ -69,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=1.0, help="echo dial of the target (smaller: more acceptance)")
     parser.add_argument("--random-draft", action="store_true")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     workdir = Path(tempfile.mkdtemp(prefix="eaglet-spec-bench-"))
@@ -127,13 +125,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('accept_length', float('nan')):>7.2f} {share.get('draft', float('nan')):>6.1%} "
               f"{share.get('verify', float('nan')):>6.1%} {share.get('bookkeeping', float('nan')):>8.1%} "
               f"{r.get('ms_per_round', float('nan')):>8.1f}")
-    results = REPO / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args), "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__}, "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out = results / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(record, indent=2))
-    print(f"wrote {out.relative_to(REPO)}")
+    record = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__}, "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out = write_record(args.results_dir, "spec", record)
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,12 +1,12 @@
 """One decode-sized GEMM three ways: F.linear, eaglet's linear() on a oneDNN-packed weight, float32.
 
-    python benchmarks/bench_linear.py                    # the DeepSeek-V3 bench model's shapes
-    python benchmarks/bench_linear.py --rows 1,16 --repeats 500
+    python -m eaglet.bench.linear_timings                    # the DeepSeek-V3 bench model's shapes
+    python -m eaglet.bench.linear_timings --rows 1,16 --repeats 500
 
 Per weight shape [out, in] and row count: microseconds per call (median of 5 timings of
 ``--repeats`` calls each) and the packed / F.linear ratio. Each weight is a fresh tensor per timing
 loop but small enough to stay in cache, so this measures the kernels, not DRAM; a decode step
-streams its weights from memory (see bench_decode.py's roofline). Packing needs a CPU with
+streams its weights from memory (see eaglet.bench.roofline). Packing needs a CPU with
 AMX / AVX512-BF16 (eaglet.layers.cpu_policy); elsewhere the packed column says so.
 """
 
@@ -15,18 +15,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from eaglet.layers.linear import linear, pack_weight, should_pack
 
-# [out, in] of the bench model (benchmarks/bench_decode.py MODEL_CONFIG): q_b, o / kv_b, fused
+# [out, in] of the bench model (eaglet.bench.bench_checkpoints.DEEPSEEK_FULL): q_b, o / kv_b, fused
 # q_a + kv_a, expert gate+up, expert down, lm_head.
 SHAPES = ((1024, 384), (512, 512), (960, 512), (512, 256), (1024, 512), (32000, 512))
 
 
-def time_us(fn, repeats: int) -> float:
+def time_us(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(10):
         fn()
     runs = []

@@ -1,6 +1,6 @@
 """The headline figures of every kept ``eaglet bench`` run, oldest first (``eaglet bench --history``).
 
-Each ``benchmarks/results/bench-*.json`` is one run of benchmarks/bench_suite.py; this reads them
+Each ``bench-*.json`` in the results directory is one run of ``eaglet bench``; this reads them
 back and prints one line per run with the figures issue goals are stated in, so a regression shows
 as a break in a column:
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 
 @dataclass(frozen=True)
 class Column:
