@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, live: uvicorn on 127.0.0.1 (a free port) in a background thread,
 driven by the official ``openai`` client and raw ``httpx`` requests.
 
-Two servers share one tiny Kimi-K2.5 "echo" target (tests/spec_fixtures.py) with a tokenizer and
+Two servers share one tiny Kimi-K2.5 "echo" target (eaglet/testing/echo_checkpoints.py) with a tokenizer and
 its chat template: one with an EAGLE-3 echo draft (speculation on), one without (and with an API
 key). Speculation is lossless, so both must return the same greedy text.
 """
@@ -23,10 +23,10 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from checkpoints import write_tiny_tokenizer
+from eaglet.testing.checkpoints import write_tiny_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from runtime_utils import make_image
-from spec_fixtures import echo_draft, echo_kimi_target
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import echo_draft, echo_kimi_target
 
 from eaglet.engine.async_engine import AsyncEngine
 from eaglet.engine.engine import Engine, EngineConfig
