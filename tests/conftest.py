@@ -1,13 +1,8 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from eaglet import kernels
 from eaglet.backends import Backend, cpu_backend, torch_backend
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

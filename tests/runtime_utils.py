@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from PIL import Image
 
 from eaglet import LLM
 from eaglet.engine.engine import Engine
@@ -44,7 +42,3 @@ def prompt_logits(llm: LLM, prompts: list[dict], chunk: int | None = None) -> li
 def greedy(max_new_tokens: int = 32) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
-
-def make_image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

@@ -5,8 +5,9 @@ import itertools
 
 import pytest
 import torch
-from runtime_utils import greedy, make_image
-from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
+from runtime_utils import greedy
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.engine.engine import Engine

@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from checkpoints import write_deepseek_v3_checkpoint
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
 from runtime_utils import greedy
 from safetensors.torch import load_file, save_file
 

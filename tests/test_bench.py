@@ -4,26 +4,59 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import eaglet
+from eaglet.bench.spec_shapes import spec_shapes
+from eaglet.bench.vllm_peer import vllm_failure
 from eaglet.commands import bench
 
 SPEC_FIELDS = ("accept_length", "per_position_acceptance", "phase_share", "ms_per_round", "over_eaglet_plain")
 
 
+TINY_RUN = ("--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
+            "--repeats", "1", "--min-seconds", "0", "--bandwidth-gib", "0.02")
+
+
 def run_bench(tmp_path: Path, *extra: str) -> tuple[int, dict]:
     results = tmp_path / "results"
-    argv = ["--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
-            "--repeats", "1", "--min-seconds", "0", "--bandwidth-gib", "0.02", "--workdir", str(tmp_path / "ckpt"),
-            "--results-dir", str(results), *extra]
+    argv = [*TINY_RUN, "--workdir", str(tmp_path / "ckpt"), "--results-dir", str(results), *extra]
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     code = bench.run(parser.parse_args(argv))
     (record_file,) = results.glob("bench-*.json")
     return code, json.loads(record_file.read_text())
+
+
+def test_the_bench_command_comes_from_the_package(tmp_path):
+    """`eaglet bench --help` in a directory outside any source tree: the command and the suite are
+    imported from the eaglet package, not loaded from a benchmarks/ file."""
+    # The eaglet under test; wide help, so that argparse never wraps the default at its hyphens.
+    env = {**os.environ, "PYTHONPATH": str(Path(eaglet.__file__).parents[1]), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "eaglet.cli", "bench", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "--results-dir" in proc.stdout and "eaglet-bench-results" in proc.stdout
+    from eaglet.bench import suite
+
+    assert Path(suite.__file__).parent == Path(eaglet.__file__).parent / "bench"
+
+
+def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([*TINY_RUN, "--batch-sizes", "1", "--modes", "plain", "--hf-batch-sizes", "",
+                              "--vllm-batch-sizes", "", "--no-roofline", "--workdir", str(tmp_path / "ckpt")])
+    assert bench.run(args) == 0
+    (record_file,) = (tmp_path / "eaglet-bench-results").glob("bench-*.json")
+    assert json.loads(record_file.read_text())["checkpoints"][0]["checkpoint"] == "deepseek-fp32"
 
 
 def test_bench_runs_every_engine_and_records_the_fields(tmp_path, capsys):
@@ -90,8 +123,6 @@ def test_failing_vllm_venv_is_reported_not_fatal(tmp_path):
 
 def test_a_failed_vllm_run_reports_its_root_cause():
     """vLLM's engine says only that its core failed to start; the note names the worker's exception."""
-    import bench_suite
-
     stderr = "\n".join([
         "INFO 12-06 starting",
         "(Worker pid=1) ERROR 12-06 [multiproc_executor.py:953] Traceback (most recent call last):",
@@ -99,8 +130,8 @@ def test_a_failed_vllm_run_reports_its_root_cause():
         "    raise RuntimeError(",
         "RuntimeError: Engine core initialization failed. See root cause above.",
     ])
-    assert bench_suite.vllm_failure(stderr) == "RuntimeError: expect weight to be bfloat16"
-    assert bench_suite.vllm_failure("one\ntwo") == "one | two"
+    assert vllm_failure(stderr) == "RuntimeError: expect weight to be bfloat16"
+    assert vllm_failure("one\ntwo") == "one | two"
 
 
 def test_plot_is_written(tmp_path):
@@ -137,13 +168,11 @@ def test_spec_shapes_are_configurable_and_recorded(tmp_path):
 def test_the_demo_drafts_deeper_unless_told_otherwise():
     """The demo's adaptive mode may draft to depth 15 (its trained draft accepts all of a depth-7
     chain); the other checkpoints' to 7; --adaptive-shape sets both."""
-    import bench_suite
-
     defaults = argparse.Namespace(chain_shape=None, tree_shape=None, adaptive_shape=None, adaptive_tree_shape=None)
-    assert bench_suite.spec_shapes(defaults, "demo")["adaptive"] == (15, 1, 16)
-    assert bench_suite.spec_shapes(defaults, "deepseek-bf16")["adaptive"] == (7, 1, 8)
+    assert spec_shapes(defaults, "demo")["adaptive"] == (15, 1, 16)
+    assert spec_shapes(defaults, "deepseek-bf16")["adaptive"] == (7, 1, 8)
     told = argparse.Namespace(**{**vars(defaults), "adaptive_shape": "5,1,6"})
-    assert bench_suite.spec_shapes(told, "demo")["adaptive"] == (5, 1, 6)
+    assert spec_shapes(told, "demo")["adaptive"] == (5, 1, 6)
 
 
 def _row(mode: str, batch: int, **fields) -> dict:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from checkpoints import write_deepseek_v3_checkpoint
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
 from runtime_utils import greedy, prompt_logits
 
 from eaglet import LLM

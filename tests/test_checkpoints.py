@@ -1,19 +1,16 @@
-"""Tests of the tiny published-format checkpoint fixtures in tests/checkpoints.py."""
+"""Tests of the tiny published-format checkpoint fixtures in eaglet/testing/checkpoints.py."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import re
-import sys
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import checkpoints as C  # noqa: E402
+from eaglet.testing import checkpoints as C
 
 YARN = {
     "type": "yarn",

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
-from checkpoints import write_deepseek_v3_checkpoint, write_tiny_tokenizer
-from runtime_utils import make_image
-from spec_fixtures import echo_draft, echo_kimi_target
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_tiny_tokenizer
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import echo_draft, echo_kimi_target
 
 import eaglet.demo_model
 from eaglet import LLM, SamplingParams

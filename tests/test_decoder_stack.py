@@ -15,8 +15,8 @@ from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.kernels.decoder_stack import FusedMidlayer
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.spec.eagle_worker import DraftState
-from checkpoints import write_deepseek_v3_checkpoint
-from spec_fixtures import echo_draft, echo_text_target
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
+from eaglet.testing.echo_checkpoints import echo_draft, echo_text_target
 
 
 def _has_tile_kernels() -> bool:

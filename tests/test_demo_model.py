@@ -13,15 +13,13 @@ from eaglet.api import LLM
 from eaglet.sampling_params import SamplingParams
 from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR, demo_model_available
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from tools.demo import evaluate
 
-from tools.demo import evaluate  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 needs_demo = pytest.mark.skipif(
     not demo_model_available(),
-    reason="the demo model is not built (run `python tools/demo/build.py` to make eaglet/demo_model/{target,draft})",
+    reason="the demo model is not built (run `python -m tools.demo.build` to make eaglet/demo_model/{target,draft})",
 )
 
 
@@ -122,8 +120,8 @@ def test_smoke_build_pipeline(tmp_path):
     result loads and speculates in eaglet."""
     out = tmp_path / "out"
     subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools/demo/build.py"), "--smoke", "--out", str(out), "--work", str(tmp_path / "work")],
-        check=True, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "tools.demo.build", "--smoke", "--out", str(out), "--work", str(tmp_path / "work")],
+        check=True, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
     )
     config = json.loads((out / "target" / "config.json").read_text())
     assert config["model_type"] == "kimi_k25" and config["text_config"]["model_type"] == "kimi_k2"

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import write_tiny_tokenizer
+from eaglet.testing.checkpoints import write_tiny_tokenizer
 from eaglet.engine.detokenizer import IncrementalDetokenizer, StopMatch, StopStringChecker
 from eaglet.errors import InvalidRequestError
 

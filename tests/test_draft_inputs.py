@@ -9,9 +9,9 @@ the two shipped bugs: a tail patched only at the flat buffer's last row, and unr
 
 import pytest
 import torch
-from runtime_utils import make_image
-from checkpoints import write_kimi_k25_checkpoint
-from spec_fixtures import IMAGE_TOKEN, draft_for
+from eaglet.testing.images import make_image
+from eaglet.testing.checkpoints import write_kimi_k25_checkpoint
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, draft_for
 
 import eaglet.spec.eagle_worker as eagle_worker
 from eaglet import LLM

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
-from draft_checkpoints import write_eagle3_draft
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
+from eaglet.testing.draft_checkpoints import write_eagle3_draft
 from safetensors.torch import load_file, save_file
 
 from eaglet import kernels

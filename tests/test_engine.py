@@ -3,8 +3,9 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_utils import greedy, make_image
-from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
+from runtime_utils import greedy
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.engine.engine import Engine
@@ -196,7 +197,7 @@ def test_logprobs_identical_with_and_without_speculation(models):
 
 @pytest.fixture(scope="module")
 def tokenizer_models(tmp_path_factory):
-    from checkpoints import write_kimi_k25_checkpoint
+    from eaglet.testing.checkpoints import write_kimi_k25_checkpoint
 
     target = tmp_path_factory.mktemp("tok-target")
     write_kimi_k25_checkpoint(target, {"vocab_size": 512, "max_position_embeddings": 256}, seed=21,

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 from runtime_utils import greedy
-from spec_fixtures import echo_draft, echo_kimi_target
+from eaglet.testing.echo_checkpoints import echo_draft, echo_kimi_target
 
 from eaglet import LLM
 from eaglet.engine.async_engine import AsyncEngine

@@ -30,8 +30,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_utils import make_image
-from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.engine.engine import Engine

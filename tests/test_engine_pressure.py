@@ -3,8 +3,8 @@ special tokens in the output, prompt logprobs behind a prefix-cache hit, seeds a
 their range for n > 1, and statistics that count only emitted tokens."""
 
 import pytest
-from runtime_utils import make_image
-from spec_fixtures import IMAGE_TOKEN, echo_draft, echo_kimi_target
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.engine.engine import Engine

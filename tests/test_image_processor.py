@@ -212,8 +212,8 @@ def test_bad_config(bad, key):
 
 
 def test_checkpoint_helper_preprocessor_config(tmp_path):
-    """tests/checkpoints.py writes both spellings side by side; they must agree."""
-    from checkpoints import write_kimi_k25_checkpoint
+    """eaglet/testing/checkpoints.py writes both spellings side by side; they must agree."""
+    from eaglet.testing.checkpoints import write_kimi_k25_checkpoint
 
     path = write_kimi_k25_checkpoint(tmp_path, num_shards=1, max_patches=64)
     cfg = ImageProcessorConfig.from_pretrained(path)

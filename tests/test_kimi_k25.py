@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from checkpoints import load_reference_kimi_k25, write_kimi_k25_checkpoint
-from runtime_utils import greedy, make_image, prompt_logits
+from eaglet.testing.checkpoints import load_reference_kimi_k25, write_kimi_k25_checkpoint
+from runtime_utils import greedy, prompt_logits
+from eaglet.testing.images import make_image
 
 from eaglet import LLM
 from eaglet.errors import ImageError, InvalidRequestError

@@ -24,7 +24,7 @@ from eaglet.layers.moe import DENSE_MAX_TOKENS, MoE, RoutedExperts, SwiGLU
 from eaglet.models.config import parse_text_config
 from eaglet.models.registry import resolve_dtype
 
-from checkpoints import tiny_text_config
+from eaglet.testing.checkpoints import tiny_text_config
 
 
 @pytest.mark.parametrize("rows", [1, 2, min(SMALL_BATCH_ROWS), max(SMALL_BATCH_ROWS), max(SMALL_BATCH_ROWS) + 1, 70])

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, live: uvicorn on 127.0.0.1 (a free port) in a background thread,
 driven by the official ``openai`` client and raw ``httpx`` requests.
 
-Two servers share one tiny Kimi-K2.5 "echo" target (tests/spec_fixtures.py) with a tokenizer and
+Two servers share one tiny Kimi-K2.5 "echo" target (eaglet/testing/echo_checkpoints.py) with a tokenizer and
 its chat template: one with an EAGLE-3 echo draft (speculation on), one without (and with an API
 key). Speculation is lossless, so both must return the same greedy text.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import socket
 import threading
 import time
@@ -22,14 +23,14 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from checkpoints import write_tiny_tokenizer
+from eaglet.testing.checkpoints import write_tiny_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from runtime_utils import make_image
-from spec_fixtures import echo_draft, echo_kimi_target
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import echo_draft, echo_kimi_target
 
 from eaglet.engine.async_engine import AsyncEngine
 from eaglet.engine.engine import Engine, EngineConfig
-from eaglet.server import ImageLimits, ServerConfig, create_app, start_engine
+from eaglet.server import ImageLimits, ServerConfig, StepTally, create_app, start_engine
 
 MODEL = "echo-kimi"
 API_KEY = "test-key"
@@ -63,12 +64,18 @@ class LiveServer:
 
 
 def _serve(engine: Engine, api_key: str | None, log_interval_steps: int = 50) -> Iterator[LiveServer]:
-    initial_free = engine.num_free_blocks()
-    async_engine = start_engine(engine, log_interval_steps=log_interval_steps, log_min_interval_s=0.0)
     config = ServerConfig(
         model_name=MODEL, api_key=api_key, max_request_bytes=MAX_REQUEST_BYTES, max_n=4, image_limits=IMAGE_LIMITS
     )
-    app = create_app(async_engine, config)
+    yield from serve(engine, config, log_interval_steps)
+
+
+def serve(engine: Engine, config: ServerConfig, log_interval_steps: int = 50) -> Iterator[LiveServer]:
+    """A live server on 127.0.0.1 for the engine (shut down when the generator is closed)."""
+    initial_free = engine.num_free_blocks()
+    tally = StepTally()
+    async_engine = start_engine(engine, tally, log_interval_steps=log_interval_steps, log_min_interval_s=0.0)
+    app = create_app(async_engine, config, tally)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -81,7 +88,7 @@ def _serve(engine: Engine, api_key: str | None, log_interval_steps: int = 50) ->
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, initial_free, api_key or "unused")
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, initial_free, config.api_key or "unused")
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -221,6 +228,10 @@ def test_n_samples(spec_server) -> None:
     assert full.usage.completion_tokens > 16  # the three completions together
     texts, _ = stream_chat(spec_server, messages, n=3, temperature=0.8, seed=7, max_tokens=16)
     assert [texts[j] for j in range(3)] == contents
+    # The largest seed: sample 1's seed wraps around to 0, as torch reads seeds (modulo 2**64).
+    largest = chat(spec_server, messages, n=2, temperature=0.8, seed=2**64 - 1, max_tokens=8)
+    zero = chat(spec_server, messages, temperature=0.8, seed=0, max_tokens=8)
+    assert largest.choices[1].message.content == zero.choices[0].message.content
 
 
 def test_logprobs(spec_server, target) -> None:
@@ -261,6 +272,87 @@ def test_completions_text_and_token_ids(spec_server, target) -> None:
     assert streamed == by_text.choices[0].text
     default = client.completions.create(model=MODEL, prompt="Hi", temperature=0.0, extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
+
+
+def test_post_bodies_must_be_json(spec_server) -> None:
+    """A browser sends a form or text/plain body to any origin without asking first, so a page on
+    any site could make a local server generate: only JSON bodies are taken."""
+    for path, body in (("chat/completions", _body()), ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})):
+        url = f"{spec_server.base_url}/v1/{path}"
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+            headers = {"Origin": "https://elsewhere.example"} | ({"Content-Type": content_type} if content_type else {})
+            response = httpx.post(url, content=json.dumps(body), headers=headers, timeout=30)
+            assert response.status_code == 415, (content_type, response.text)
+            assert "application/json" in response.json()["error"]["message"]
+        response = httpx.post(url, content=json.dumps(body), headers={"Content-Type": "application/json; charset=utf-8"},
+                              timeout=30)
+        assert response.status_code == 200, response.text
+
+
+def test_completions_batched_prompts(spec_server, target) -> None:
+    from transformers import AutoTokenizer
+
+    client = spec_server.client()
+    texts = ["The quick brown fox", "Hello there, how"]
+    sampled = dict(max_tokens=8, temperature=0.8, seed=7, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model=MODEL, prompt=text, n=2, **sampled) for text in texts]
+    batch = client.completions.create(model=MODEL, prompt=texts, n=2, **sampled)
+    # OpenAI's order: choice i * n + j is sample j of prompt i.
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [c.text for result in alone for c in result.choices]
+    assert batch.usage.prompt_tokens == sum(result.usage.prompt_tokens for result in alone)
+    assert batch.usage.completion_tokens == sum(result.usage.completion_tokens for result in alone)
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    token_ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    by_ids = client.completions.create(model=MODEL, prompt=token_ids, n=2, **sampled)
+    assert [c.text for c in by_ids.choices] == [c.text for c in batch.choices]
+    streamed: dict[int, str] = {}
+    chunks = list(client.completions.create(model=MODEL, prompt=texts, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **sampled))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in batch.choices}
+    assert chunks[-1].usage.model_dump() == batch.usage.model_dump()
+
+
+def test_completions_echo(spec_server, target) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    client = spec_server.client()
+    prompt = "The quick brown fox"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, **GREEDY)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, echo=True, **GREEDY)
+    generated = plain.choices[0].text
+    assert echoed.choices[0].text == prompt + generated
+    lp = echoed.choices[0].logprobs
+    num_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 6
+    # The first prompt token has nothing before it; every other token has its logprob and top 2.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == echoed.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    # The generated text fed back as prompt: its echoed logprobs are the ones it was generated with.
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    generated_ids = tokenizer.encode(generated, add_special_tokens=False)
+    again = client.completions.create(model=MODEL, prompt=prompt_ids + generated_ids, max_tokens=1, logprobs=2, echo=True,
+                                      **GREEDY)
+    assert again.choices[0].text.startswith(prompt + generated)
+    again_lp = again.choices[0].logprobs.token_logprobs
+    assert again_lp[len(prompt_ids) : len(prompt_ids) + 6] == pytest.approx(lp.token_logprobs[num_prompt:], abs=1e-4)
+    # Streamed: the prompt (and its logprobs) first, then the tokens as they come.
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, echo=True,
+                                                   stream=True, **GREEDY) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    # Without logprobs, echo still prepends the prompt; n choices each get it.
+    two = client.completions.create(model=MODEL, prompt=[prompt_ids, prompt_ids], n=2, max_tokens=6, echo=True, **GREEDY)
+    assert [c.text for c in two.choices] == [tokenizer.decode(prompt_ids) + generated] * 4
 
 
 def test_speculative_and_plain_servers_agree(spec_server, plain_server) -> None:
@@ -373,7 +465,8 @@ def test_metrics_agree_with_responses(spec_server) -> None:
     assert totals["verify_steps"] > 0
     assert delta("eaglet:spec_decode_num_drafts_total") == totals["verify_steps"]
     assert delta("eaglet:spec_decode_num_accepted_tokens_total") == totals["accepted_tokens"]
-    assert delta("eaglet:spec_decode_num_draft_tokens_total") == 3 * totals["verify_steps"]  # 4 draft tokens - root
+    # At most 3 drafts (4 draft tokens - root) per verify step: fewer where a round was cut by its request's finish.
+    assert totals["accepted_tokens"] <= delta("eaglet:spec_decode_num_draft_tokens_total") <= 3 * totals["verify_steps"]
     per_position = [delta("eaglet:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),)) for p in range(3)]
     assert sum(per_position) == totals["accepted_tokens"]
     assert per_position == sorted(per_position, reverse=True)  # position k accepted only after k - 1
@@ -445,7 +538,8 @@ BAD_REQUESTS = [
     ("file-url-refused", "chat", _body(messages=user("x", "file:///etc/hostname")), 400, "local image paths"),
     ("too-many-images", "chat", _body(messages=user("x", *[data_url(8, 8, i) for i in range(4)])), 400, "4 images"),
     ("too-many-pixels", "chat", _body(messages=user("x", data_url(300, 300, 0))), 400, "pixels"),
-    ("placeholder-without-image", "chat", _body(messages=user("<|media_pad|>")), 400, "placeholder"),
+    # A raw prompt's special-token text is parsed (chat messages' is not): a placeholder without its image.
+    ("placeholder-without-image", "completions", {"model": MODEL, "prompt": "<|media_pad|>"}, 400, "placeholder"),
     ("body-too-large", "chat", _body(messages=user("x" * (MAX_REQUEST_BYTES + 10))), 413, "exceeds the limit"),
     ("completion-missing-prompt", "completions", {"model": MODEL}, 400, "prompt"),
     ("completion-prompt-wrong-type", "completions", {"model": MODEL, "prompt": 123}, 400, "prompt"),
@@ -454,6 +548,26 @@ BAD_REQUESTS = [
     ("completion-ids-out-of-vocab", "completions", {"model": MODEL, "prompt": [1, 999_999]}, 400, "out of range"),
     ("completion-negative-id", "completions", {"model": MODEL, "prompt": [1, -3]}, 400, "prompt"),
     ("completion-logprobs-range", "completions", {"model": MODEL, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("completion-batch-bad-item", "completions", {"model": MODEL, "prompt": ["a", 1]}, 400, "prompt.1"),
+    ("completion-batch-bad-id", "completions", {"model": MODEL, "prompt": [[1, 2], [3, -4]]}, 400, "prompt.1.1"),
+    ("completion-batch-empty-ids", "completions", {"model": MODEL, "prompt": [[1], []]}, 400, "empty list"),
+    ("completion-too-many-prompts", "completions", {"model": MODEL, "prompt": ["a"] * 65}, 400, "the limit is 64"),
+    ("completion-ids-over-context", "completions", {"model": MODEL, "prompt": [1] * 300_000}, 400, "context holds"),
+    # Bodies Python's json module takes and something later chokes on (500 before): a lone UTF-16
+    # surrogate cannot be encoded again, deep nesting exhausts the stack, NaN is not JSON.
+    ("lone-surrogate-in-content", "chat",
+     b'{"model": "echo-kimi", "messages": [{"role": "user", "content": "x\\ud800y"}]}', 400, "surrogate pair"),
+    ("lone-low-surrogate-in-model", "chat",
+     b'{"model": "\\udc00", "messages": [{"role": "user", "content": "x"}]}', 400, "surrogate pair"),
+    ("lone-surrogate-in-prompt", "completions", b'{"model": "echo-kimi", "prompt": "a\\ud83d"}', 400, "surrogate pair"),
+    ("deeply-nested", "chat", b'{"model": "echo-kimi", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nested too deeply"),
+    ("nan", "chat", b'{"model": "echo-kimi", "messages": [], "temperature": NaN}', 400, "not valid json"),
+    ("infinite-number", "chat",
+     b'{"model": "echo-kimi", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1e400}', 400,
+     "finite number"),
+    ("invalid-utf8", "chat", b'{"model": "echo-\xff"}', 400, "not valid json"),
+    ("top-k-over-int64", "chat", _body(top_k=2**64), 400, "top_k"),
 ]
 
 
@@ -480,6 +594,12 @@ def test_bad_request_names_the_field(spec_server) -> None:
     assert response.status_code == 400 and error["param"] == "messages.1.role"
     response = httpx.post(f"{spec_server.base_url}/v1/chat/completions", json=_body(temperature="warm"))
     assert response.json()["error"]["param"] == "temperature"
+
+
+def test_tiny_temperature_is_sampled_not_a_500(spec_server) -> None:
+    # Logits divided by 1e-320 overflow to inf; the server raises such a temperature to 0.01, as vLLM.
+    result = chat(spec_server, user("Hi"), max_tokens=4, temperature=1e-320, seed=3)
+    assert result.usage.completion_tokens >= 1
 
 
 def test_engine_failure_is_a_500_and_the_server_goes_on(plain_server, monkeypatch) -> None:

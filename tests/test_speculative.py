@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from runtime_utils import greedy, make_image
-from spec_fixtures import IMAGE_TOKEN, draft_for, echo_draft, echo_kimi_target
+from runtime_utils import greedy
+from eaglet.testing.images import make_image
+from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, draft_for, echo_draft, echo_kimi_target
 
 from eaglet import LLM, SamplingParams
 from eaglet.runtime.forward_batch import ForwardBatch

@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
-from checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
-from runtime_utils import make_image
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
+from eaglet.testing.images import make_image
 from safetensors.torch import load_file
-from spec_fixtures import echo_text_target
+from eaglet.testing.echo_checkpoints import echo_text_target
 
 from eaglet import LLM
 from eaglet.backends import torch_backend

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoints import (
+from eaglet.testing.checkpoints import (
     load_reference_kimi_k25,
     random_image_inputs,
     read_checkpoint_tensors,

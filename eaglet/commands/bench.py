@@ -1,32 +1,14 @@
 """`eaglet bench`: eaglet plain vs EAGLE-3 chain / tree vs transformers and vLLM-CPU, side by side.
 
-A thin front end over benchmarks/bench_suite.py (see its docstring for what is measured and how),
-which lives in the source checkout, not in the installed package.
+A thin front end over eaglet.bench.suite (see its docstring for what is measured and how).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_suite.py"
-CHECKPOINTS = ("deepseek-fp32", "deepseek-bf16", "kimi", "demo")
-DEFAULT_VLLM_VENV = Path.home() / ".cache" / "eaglet" / "vllm-venv"
-
-
-def _suite() -> ModuleType:
-    if not SUITE.is_file():
-        raise SystemExit(f"eaglet bench needs the source checkout: {SUITE} not found")
-    if "bench_suite" in sys.modules:
-        return sys.modules["bench_suite"]
-    spec = importlib.util.spec_from_file_location("bench_suite", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_suite"] = module
-    spec.loader.exec_module(module)
-    return module
+from eaglet.bench.settings import CHECKPOINTS, DEFAULT_RESULTS_DIR, DEFAULT_VLLM_VENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the generated checkpoints here (default: a temporary directory)")
-    parser.add_argument("--results-dir", type=Path, default=SUITE.parent / "results")
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                        help="where each run's bench-<time>.json goes, and what --history reads (default: %(default)s, "
+                        "relative to the current directory)")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON record here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG: tokens/s and acceptance per position")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -74,4 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return _suite().main(args)
+    from eaglet.bench.suite import main
+
+    return main(args)

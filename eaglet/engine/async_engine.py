@@ -3,7 +3,8 @@
 ``Engine`` is single-threaded. ``AsyncEngine`` owns it from one background thread that steps
 while there is work; callers on an asyncio loop add requests and receive each request's outputs
 through its own queue. Leaving a stream early (client gone, task cancelled) aborts the request in
-the engine thread, which frees its cache at once.
+the engine thread, which frees its cache at once. ``busy_seconds`` tells how long the thread has
+been on its current command or step, so a health check can see a stuck engine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        self._busy_since: float | None = None  # start of the current command or step; None while waiting for work
         self._thread = threading.Thread(target=self._loop, name="eaglet-engine", daemon=True)
         self._thread.start()
 
@@ -68,6 +71,15 @@ class AsyncEngine:
         self._commands.put(("call", (fn, args, future)))
         return future
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def busy_seconds(self) -> float:
+        """How long the engine thread has been on its current command or step (0 while it waits for work)."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(("stop", None))
@@ -79,13 +91,18 @@ class AsyncEngine:
             block = not self.engine.has_unfinished()
             try:
                 while True:
-                    self._handle(*self._commands.get(block=block))
+                    if block:
+                        self._busy_since = None
+                    command = self._commands.get(block=block)
+                    self._busy_since = time.monotonic()
+                    self._handle(*command)
                     block = False
             except queue.Empty:
                 pass
             if self._stopped.is_set():
                 break
             if self.engine.has_unfinished():
+                self._busy_since = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # a failed step must not take every stream down silently

@@ -2,52 +2,56 @@
 /metrics, over one AsyncEngine.
 
 Every refused request gets an OpenAI error object ``{"error": {"message", "type", "param",
-"code"}}`` with a 4xx status; the engine and the other requests carry on.
+"code"}}`` with a 4xx status; the engine and the other requests carry on. Prompts are tokenized
+off the engine's thread (``PromptEncoder``), so no request's input can stall the others' steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import PIL.Image
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from eaglet.engine.async_engine import AsyncEngine
-from eaglet.executor.request import RequestOutput, TokenLogprob
+from eaglet.executor.request import RequestOutput
 from eaglet.errors import InvalidRequestError
 from eaglet.multimodal.image_processor import load_image
 from eaglet.sampling_params import SamplingParams
 from eaglet.server import protocol as P
-from eaglet.server.chat import render_chat_prompt, template_messages
+from eaglet.server.body import RequestModel, read_json_body
+from eaglet.server.chat import template_messages
+from eaglet.server.completion_prompts import completion_prompts
+from eaglet.server.errors import ERROR_TYPES, APIError, error_response
 from eaglet.server.images import ImageLimits, load_request_image
+from eaglet.server.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    output_entries,
+    prompt_entries,
+)
 from eaglet.server.metrics import ServerMetrics, snapshot_engine
-from eaglet.server.streams import SampleStreams, sample_params
+from eaglet.server.prompts import PromptEncoder
+from eaglet.server.step_tally import StepTally
+from eaglet.server.streams import SampleStreams
 
 logger = logging.getLogger("eaglet.server")
-
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestTooLargeError",
-    500: "InternalServerError",
-}
 
 
 @dataclass(frozen=True)
@@ -56,29 +60,21 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 32 * 2**20
     max_n: int = 16
+    max_prompts: int = 64  # prompts in one /v1/completions request
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     default_completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI
+    allow_special_tokens_in_messages: bool = False  # chat message text may then hold control tokens
+    metrics_behind_api_key: bool = False
+    health_stall_timeout_s: float = 20.0  # /health fails while one engine step or command runs longer
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
+_MIN_TEMPERATURE = 1e-2
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorBody(message=message, type=_ERROR_TYPES.get(status, "Error"), param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    """The most specific problems first (the deepest location: for a union, the branch that got furthest)."""
-    errors = sorted(exc.errors(), key=lambda e: -len(e["loc"]))
-    locations = [".".join(str(part) for part in error["loc"]) for error in errors]
-    described = [f"{loc or 'body'}: {error['msg']}" for loc, error in zip(locations[:2], errors)]
-    return "; ".join(described), locations[0] or None
+def _usable_temperature(temperature: float) -> float:
+    # As vLLM: a positive temperature below 0.01 is raised to it, since logits divided by a tiny
+    # one overflow to inf (and sampling to NaN); 0 stays greedy.
+    return temperature if temperature == 0 else max(temperature, _MIN_TEMPERATURE)
 
 
 class _AbortingStreamingResponse(StreamingResponse):
@@ -102,16 +98,23 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally) -> FastAPI:
+    """The app over a running engine; ``tally`` is the one ``start_engine`` counts generated tokens into."""
     engine = async_engine.engine
-    tokenizer = engine.tokenizer
-    metrics = ServerMetrics(config.model_name)
-    app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(config.model_name, tally)
     created = int(time.time())
     # Longest prompt + output one request may have: the context, and what the cache can hold at once.
     cache_tokens = engine.cache.allocator.num_usable * engine.cache.block_size - engine.spec_scratch
     max_total_tokens = min(engine.context_len, cache_tokens)
-    token_text_cache: dict[int, str] = {}
+    encoder = PromptEncoder(engine.tokenizer, max_total_tokens - 1, config.allow_special_tokens_in_messages)
+    token_text = TokenTexts(engine.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        encoder.close()
+
+    app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     # ---- errors -------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -145,28 +148,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
 
     async def read_body(request: Request, model: type[RequestModel]) -> RequestModel:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_request_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {config.max_request_bytes} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_request_bytes:
-                raise APIError(413, f"request body exceeds the limit of {config.max_request_bytes} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            message, param = _validation_message(exc)
-            raise APIError(400, message, param) from None
+        return await read_json_body(request, model, config.max_request_bytes)
 
     def check_model(name: str) -> None:
         if name not in (config.model_name, engine.config.model):
@@ -189,10 +171,12 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return requested  # the engine refuses it, naming the sum, if it does not fit
         return room if default is None else min(default, room)
 
-    def params_of(body: P.SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def params_of(
+        body: P.SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=body.temperature,
+            temperature=_usable_temperature(body.temperature),
             top_p=body.top_p,
             top_k=body.top_k,
             min_p=body.min_p,
@@ -206,42 +190,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             logit_bias=dict(body.logit_bias or {}),
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
-        )
-
-    async def encode(text: str) -> list[int]:
-        # In the engine thread: the engine's detokenizers use the same tokenizer object.
-        future = async_engine.call(lambda e: list(e.tokenizer.encode(text, add_special_tokens=False)))
-        return await asyncio.wrap_future(future)
-
-    def token_text(token_id: int) -> str:
-        text = token_text_cache.get(token_id)
-        if text is None:
-            text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-            token_text_cache[token_id] = text
-        return text
-
-    def chat_logprobs(entries: list[TokenLogprob]) -> P.ChatLogprobs:
-        content = []
-        for entry in entries:
-            top = [P.TopLogprob(token=token_text(t), logprob=lp, bytes=list(token_text(t).encode())) for t, lp in entry.top]
-            text = token_text(entry.token_id)
-            content.append(P.TokenLogprobEntry(token=text, logprob=entry.logprob, bytes=list(text.encode()), top_logprobs=top))
-        return P.ChatLogprobs(content=content)
-
-    def completion_logprobs(entries: list[TokenLogprob], start_offset: int) -> P.CompletionLogprobs:
-        tokens, offsets = [], []
-        offset = start_offset
-        for entry in entries:
-            text = token_text(entry.token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-        return P.CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{token_text(t): lp for t, lp in e.top} for e in entries],
-            text_offset=offsets,
         )
 
     def spec_stats(out: RequestOutput) -> P.SpeculativeStats | None:
@@ -254,14 +204,15 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             accepted_tokens=out.spec_accepted_tokens,
         )
 
-    def usage_of(outputs: list[RequestOutput]) -> P.Usage:
-        prompt_tokens = len(outputs[0].prompt_token_ids) if outputs else 0
+    def usage_of(outputs: list[RequestOutput], n: int) -> P.Usage:
+        """Each prompt's tokens once (its n choices share it), every choice's completion tokens."""
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs[::n])
         completion_tokens = sum(len(o.token_ids) for o in outputs)
         total = prompt_tokens + completion_tokens
         return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total)
 
-    async def start_streams(prompt: Any, params: SamplingParams, n: int, request_id: str) -> SampleStreams:
-        streams = SampleStreams(async_engine, prompt, sample_params(params, n), request_id, metrics)
+    async def start_streams(requests: list[tuple[Any, SamplingParams]], request_id: str) -> SampleStreams:
+        streams = SampleStreams(async_engine, requests, request_id, metrics)
         await streams.start()
         return streams
 
@@ -292,16 +243,25 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     def sse_error(exc: Exception) -> str:
         status = 400 if isinstance(exc, InvalidRequestError) else 500
-        body = P.ErrorResponse(error=P.ErrorBody(message=str(exc), type=_ERROR_TYPES[status], code=status))
+        body = P.ErrorResponse(error=P.ErrorBody(message=str(exc), type=ERROR_TYPES[status], code=status))
         return f"data: {json.dumps(body.model_dump())}\n\n"
 
     # ---- endpoints ----------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
+        if not async_engine.alive:
+            return error_response(503, "the engine thread has stopped")
+        busy = async_engine.busy_seconds()
+        if busy > config.health_stall_timeout_s:
+            return error_response(
+                503, f"the engine has been on one step for {busy:.1f} s (the limit is {config.health_stall_timeout_s} s)"
+            )
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        if config.metrics_behind_api_key:
+            check_auth(request)
         snapshot = await asyncio.wrap_future(async_engine.call(snapshot_engine))
         return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 
@@ -321,7 +281,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages, image_urls = template_messages(body.messages)
         images = await decode_images(image_urls)
-        token_ids = await encode(render_chat_prompt(tokenizer, messages))
+        token_ids = await encoder.encode_chat(messages)
         prompt_len = len(token_ids) + sum(engine.image_processor.num_placeholder_tokens(i.height, i.width) - 1 for i in images)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
@@ -329,7 +289,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = params_of(body, max_tokens, logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await start_streams({"prompt_token_ids": token_ids, "images": images}, params, body.n, request_id)
+        prompt = {"prompt_token_ids": token_ids, "images": images}
+        streams = await start_streams([(prompt, p) for p in dataclasses.replace(params, n=body.n).per_sample()], request_id)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _AbortingStreamingResponse(
@@ -340,14 +301,14 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             P.ChatChoice(
                 index=j,
                 message=P.AssistantMessage(content=out.text or ""),
-                logprobs=chat_logprobs(out.logprobs) if body.logprobs else None,
+                logprobs=chat_logprobs(out.logprobs, token_text) if body.logprobs else None,
                 finish_reason=out.finish_reason,
                 speculative=spec_stats(out),
             )
             for j, out in enumerate(outputs)
         ]
         response = P.ChatCompletionResponse(
-            id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs)
+            id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs, body.n)
         )
         return JSONResponse(P.dump(response))
 
@@ -379,13 +340,13 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     P.ChatChunkChoice(
                         index=j,
                         delta=P.DeltaMessage(content=delta),
-                        logprobs=chat_logprobs(new_logprobs) if want_logprobs else None,
+                        logprobs=chat_logprobs(new_logprobs, token_text) if want_logprobs else None,
                         finish_reason=out.finish_reason,
                         speculative=spec_stats(out) if out.finished else None,
                     )
                 ])
             if include_usage:
-                yield chunk([], usage_of([last[j] for j in range(n)]))
+                yield chunk([], usage_of([last[j] for j in range(n)], n))
         except Exception as exc:
             logger.exception("stream %s failed", request_id)
             yield sse_error(exc)
@@ -393,80 +354,104 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             await streams.close()
         yield "data: [DONE]\n\n"
 
+    async def completion_token_ids(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", "prompt")
+            if engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", "prompt")
+            return await encoder.encode_text(prompt, "prompt")
+        if not prompt:
+            raise APIError(400, "prompt is an empty list of token ids", "prompt")
+        return list(prompt)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_auth(request)
         body = await read_body(request, P.CompletionRequest)
         check_model(body.model)
         check_n(body.n)
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise APIError(400, "prompt is empty", "prompt")
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", "prompt")
-            token_ids = await encode(body.prompt)
-        else:
-            if not body.prompt:
-                raise APIError(400, "prompt is an empty list of token ids", "prompt")
-            token_ids = list(body.prompt)
-        default = config.default_completion_max_tokens
-        max_tokens = max_new_tokens(body.max_tokens, len(token_ids), default, "prompt")
-        params = params_of(body, max_tokens, body.logprobs)
+        prompts = completion_prompts(body.prompt, config.max_prompts, max_total_tokens - 1)
+        requests: list[tuple[Any, SamplingParams]] = []
+        for prompt in prompts:
+            token_ids = await completion_token_ids(prompt)
+            max_tokens = max_new_tokens(body.max_tokens, len(token_ids), config.default_completion_max_tokens, "prompt")
+            params = params_of(body, max_tokens, body.logprobs, body.logprobs if body.echo else None)
+            requests += [({"prompt_token_ids": token_ids}, p) for p in dataclasses.replace(params, n=body.n).per_sample()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await start_streams({"prompt_token_ids": token_ids}, params, body.n, request_id)
+        streams = await start_streams(requests, request_id)
+        echoed = [""] * len(prompts)
+        if body.echo:
+            try:
+                echoed = [p if isinstance(p, str) else await encoder.decode(p) for p in prompts]
+            except BaseException:
+                await streams.close()
+                raise
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _AbortingStreamingResponse(
-                completion_events(streams, request_id, body.model, body.logprobs is not None, include_usage),
-                media_type="text/event-stream",
+                completion_events(streams, request_id, body, echoed, include_usage), media_type="text/event-stream"
             )
         outputs = await final_outputs_unless_disconnected(request, streams)
-        choices = [
-            P.CompletionChoice(
-                index=j,
-                text=out.text or "",
-                logprobs=completion_logprobs(out.logprobs, 0) if out.logprobs is not None else None,
+        choices = []
+        for k, out in enumerate(outputs):
+            prefix = echoed[k // body.n]
+            choices.append(P.CompletionChoice(
+                index=k,
+                text=prefix + (out.text or ""),
+                logprobs=choice_logprobs(out, body.echo, 0, len(prefix)) if body.logprobs is not None else None,
                 finish_reason=out.finish_reason,
                 speculative=spec_stats(out),
-            )
-            for j, out in enumerate(outputs)
-        ]
+            ))
         response = P.CompletionResponse(
-            id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs)
+            id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs, body.n)
         )
         return JSONResponse(P.dump(response))
 
+    def choice_logprobs(out: RequestOutput, with_prompt: bool, first_token: int, output_offset: int) -> P.CompletionLogprobs:
+        """The output's logprobs from its ``first_token``, after the prompt's (echo) when ``with_prompt``."""
+        prompt = prompt_entries(out) if with_prompt else []
+        return completion_logprobs(prompt, output_entries((out.logprobs or [])[first_token:]), output_offset, token_text)
+
     async def completion_events(
-        streams: SampleStreams, request_id: str, model: str, want_logprobs: bool, include_usage: bool
+        streams: SampleStreams, request_id: str, body: P.CompletionRequest, echoed: list[str], include_usage: bool
     ) -> AsyncIterator[str]:
         created_at = int(time.time())
         n = len(streams.timers)
-        sent_text = [""] * n
+        want_logprobs = body.logprobs is not None
+        sent_text = [""] * n  # the choice's text so far, an echoed prompt included
         sent_tokens = [0] * n
+        started = [False] * n
         last: dict[int, RequestOutput] = {}
 
         def chunk(choices: list[P.CompletionChoice], usage: P.Usage | None = None) -> str:
-            return sse(P.CompletionResponse(id=request_id, created=created_at, model=model, choices=choices, usage=usage))
+            return sse(P.CompletionResponse(id=request_id, created=created_at, model=body.model, choices=choices, usage=usage))
 
         try:
-            async for j, out in streams.outputs():
-                last[j] = out
-                text = out.text or ""
-                delta = text[len(sent_text[j]) :]
-                new_logprobs = out.logprobs[sent_tokens[j] :] if want_logprobs and out.logprobs is not None else []
-                if not delta and not new_logprobs and not out.finished:
+            async for k, out in streams.outputs():
+                last[k] = out
+                prefix = echoed[k // body.n]
+                text = prefix + (out.text or "")
+                delta = text[len(sent_text[k]) :]
+                new_tokens = len(out.token_ids) - sent_tokens[k]
+                if not delta and not (want_logprobs and new_tokens) and not out.finished:
                     continue
-                logprobs = completion_logprobs(new_logprobs, len(sent_text[j])) if want_logprobs else None
-                sent_text[j] = text
-                sent_tokens[j] = len(out.token_ids)
+                logprobs = None
+                if want_logprobs:
+                    first = not started[k]
+                    offset = len(prefix) if first else len(sent_text[k])
+                    logprobs = choice_logprobs(out, body.echo and first, sent_tokens[k], offset)
+                started[k] = True
+                sent_text[k] = text
+                sent_tokens[k] = len(out.token_ids)
                 yield chunk([
                     P.CompletionChoice(
-                        index=j, text=delta, logprobs=logprobs, finish_reason=out.finish_reason,
+                        index=k, text=delta, logprobs=logprobs, finish_reason=out.finish_reason,
                         speculative=spec_stats(out) if out.finished else None,
                     )
                 ])
             if include_usage:
-                yield chunk([], usage_of([last[j] for j in range(n)]))
+                yield chunk([], usage_of([last[k] for k in range(n)], body.n))
         except Exception as exc:
             logger.exception("stream %s failed", request_id)
             yield sse_error(exc)

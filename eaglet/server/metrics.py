@@ -2,8 +2,9 @@
 
 Engine state (running / waiting requests, cache blocks, prefix-cache and speculation counters)
 is read by ``snapshot_engine`` in the engine thread (through ``AsyncEngine.call``) right before
-each scrape, so nothing reads the engine while it steps. Request timings and token counts are
-recorded by the server as outputs arrive.
+each scrape, so nothing reads the engine while it steps. Generated tokens are counted in the
+engine thread as they are made (``StepTally``); request timings and prompt tokens are recorded by
+the server as outputs arrive.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from eaglet.engine.engine import Engine
+from eaglet.server.step_tally import StepTally
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -98,8 +100,11 @@ class _EngineStateCollector(Collector):
         if s.spec is None:
             return
         yield counter("eaglet:spec_decode_num_drafts", "Speculative verify steps (one per request per round).", s.spec.num_drafts)
-        yield counter("eaglet:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec.num_draft_tokens)
-        yield counter("eaglet:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec.num_accepted_tokens)
+        yield counter("eaglet:spec_decode_num_draft_tokens",
+                      "Draft tokens proposed (in a round cut by its request's finish, those before the cut).",
+                      s.spec.num_draft_tokens)
+        yield counter("eaglet:spec_decode_num_accepted_tokens", "Draft tokens accepted and emitted (up to the request's finish).",
+                      s.spec.num_accepted_tokens)
         per_position = CounterMetricFamily(
             "eaglet:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
             labels=["model_name", "position"],
@@ -111,16 +116,27 @@ class _EngineStateCollector(Collector):
                     "Mean tokens per verify step (accepted drafts + the bonus token) since start.", s.spec.accept_length)
 
 
+class _GeneratedTokensCollector(Collector):
+    def __init__(self, model_name: str, tally: StepTally) -> None:
+        self.model_name = model_name
+        self.tally = tally
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("eaglet:generation_tokens", "Generated tokens (a request's client may have left).",
+                                     labels=["model_name"])
+        family.add_metric([self.model_name], self.tally.generated_tokens)
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, tally: StepTally) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self._engine_state = _EngineStateCollector(model_name)
         self.registry.register(self._engine_state)
+        self.registry.register(_GeneratedTokensCollector(model_name, tally))
         self.prompt_tokens = Counter("eaglet:prompt_tokens", "Prompt tokens of admitted requests.", labels,
                                      registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("eaglet:generation_tokens", "Generated tokens.", labels,
-                                         registry=self.registry).labels(model_name)
         self._finished = Counter("eaglet:request_success", "Finished requests by finish reason.",
                                  labels + ["finished_reason"], registry=self.registry)
         self._model_name = model_name
@@ -142,7 +158,7 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Token counts and latencies of one engine request, fed with each of its cumulative outputs."""
+    """Prompt tokens and latencies of one engine request, fed with each of its cumulative outputs."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
@@ -161,7 +177,6 @@ class RequestTimer:
         else:
             for _ in range(new):
                 self.metrics.inter_token_latency.observe((now - self.last_time) / new)
-        self.metrics.generation_tokens.inc(new)
         self.num_tokens = num_tokens
         self.last_time = now
 

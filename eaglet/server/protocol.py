@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response bodies (the subset eaglet serves).
 
-Requests are validated strictly (no string-to-number coercion, no bools as numbers); ranges that
-SamplingParams also checks are repeated here so that the error names the OpenAI field. Fields
-OpenAI clients send that eaglet has no use for (``user``, ``tools`` ...) are ignored.
+Requests are validated strictly (no string-to-number coercion, no bools as numbers, no infinite
+numbers); ranges that SamplingParams also checks are repeated here so that the error names the
+OpenAI field. Fields OpenAI clients send that eaglet has no use for (``user``, ``tools`` ...) are
+ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ Number = Annotated[float, Field(strict=True)]  # strict float still takes JSON i
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Request):
@@ -55,7 +56,7 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = None
     temperature: Number = Field(default=1.0, ge=0, le=2)
     top_p: Number = Field(default=1.0, gt=0, le=1)
-    top_k: StrictInt = Field(default=-1, ge=-1)
+    top_k: StrictInt = Field(default=-1, ge=-1, le=2**63 - 1)  # the sampler holds it in an int64
     min_p: Number = Field(default=0.0, ge=0, le=1)
     seed: StrictInt | None = None
     n: StrictInt = Field(default=1, ge=1)
@@ -79,8 +80,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[Annotated[int, Field(strict=True, ge=0)]]
+    # One prompt (text or token ids) or a batch of them, each with n choices; its shape is checked
+    # by eaglet.server.completion_prompts.
+    prompt: Any
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before each choice's
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -160,8 +164,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

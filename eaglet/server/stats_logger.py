@@ -1,7 +1,8 @@
 """The periodic engine log line (like SGLang's "Decode batch" line): generation throughput,
 running / waiting requests, cache usage and mean accept length since the previous line.
 
-``StatsLogger.on_step`` runs in the engine thread after every step (``AsyncEngine(on_step=...)``).
+``StatsLogger.on_step`` runs in the engine thread after every step (``AsyncEngine(on_step=...)``),
+and feeds the server's tally of generated tokens.
 """
 
 from __future__ import annotations
@@ -12,37 +13,31 @@ import time
 from eaglet.engine.engine import Engine
 from eaglet.executor.request import RequestOutput
 from eaglet.server.metrics import snapshot_engine
+from eaglet.server.step_tally import StepTally
 
 logger = logging.getLogger("eaglet.stats")
 
 
 class StatsLogger:
-    def __init__(self, interval_steps: int = 50, min_interval_s: float = 5.0) -> None:
+    def __init__(self, tally: StepTally, interval_steps: int = 50, min_interval_s: float = 5.0) -> None:
         if interval_steps < 1:
             raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
         self.interval_steps = interval_steps
         self.min_interval_s = min_interval_s
+        self.tally = tally
         self._steps = 0
         self._tokens = 0
-        self._seen: dict[str, int] = {}  # request id -> tokens generated so far
         self._last_time = time.perf_counter()
         self._last_spec: tuple[int, int] = (0, 0)  # verify steps, accepted tokens at the last line
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._tokens += len(out.token_ids) - self._seen.get(out.request_id, 0)
-            if out.finished:
-                self._seen.pop(out.request_id, None)
-            else:
-                self._seen[out.request_id] = len(out.token_ids)
+        self._tokens += self.tally.count(engine, outputs)
         self._steps += 1
         now = time.perf_counter()
         if self._steps < self.interval_steps or now - self._last_time < self.min_interval_s:
             return
         if logger.isEnabledFor(logging.INFO):
             logger.info(self.line(engine, now - self._last_time))
-        # Aborted requests never finish through step(): forget them here.
-        self._seen = {i: n for i, n in self._seen.items() if i in engine.requests}
         self._steps = 0
         self._tokens = 0
         self._last_time = now

@@ -1,15 +1,15 @@
-"""The n engine streams of one API request, read as one sequence of (choice index, output).
+"""The engine streams of one API request (n samples of each of its prompts), read as one sequence
+of (choice index, output).
 
-Each sample runs as its own engine request (sample j of a seeded request uses seed + j, as
-``LLM.generate`` does). Closing a ``SampleStreams`` (client gone, response finished, error)
-cancels every pump, which closes its engine stream and so aborts the engine request and frees
-its cache in the engine thread.
+Each sample runs as its own engine request (with the seeds of ``SamplingParams.per_sample``, as
+``LLM.generate``; with several prompts, choice i * n + j is sample j of prompt i). Closing a
+``SampleStreams`` (client gone, response finished, error) cancels every pump, which closes its
+engine stream and so aborts the engine request and frees its cache in the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,25 +22,20 @@ from eaglet.server.metrics import RequestTimer, ServerMetrics
 _END = object()
 
 
-def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    if n == 1:
-        return [params]
-    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
-
-
 class SampleStreams:
     def __init__(
-        self, async_engine: AsyncEngine, prompt: Any, params: list[SamplingParams], request_id: str, metrics: ServerMetrics
+        self, async_engine: AsyncEngine, requests: list[tuple[Any, SamplingParams]], request_id: str, metrics: ServerMetrics
     ) -> None:
+        """``requests``: (prompt, params) of each choice, in choice order."""
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput]] = deque()
-        self.timers = [RequestTimer(metrics) for _ in params]
-        self.finished = [False] * len(params)
+        self.timers = [RequestTimer(metrics) for _ in requests]
+        self.finished = [False] * len(requests)
         self._tasks = [
             asyncio.create_task(self._pump(j, async_engine.generate_stream(prompt, p, f"{request_id}-{j}")))
-            for j, p in enumerate(params)
+            for j, (prompt, p) in enumerate(requests)
         ]
-        self._num_open = len(params)
+        self._num_open = len(requests)
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:

@@ -2,8 +2,10 @@
 EAGLE-3 draft. Every random choice is seeded, so a rebuild on the same Python / torch versions
 gives the same files.
 
-    python tools/demo/build.py                      # full build into eaglet/demo_model/
-    python tools/demo/build.py --smoke --out /tmp/x  # tiny sizes, a few steps (the test uses this)
+    python -m tools.demo.build                      # full build into eaglet/demo_model/
+    python -m tools.demo.build --smoke --out /tmp/x  # tiny sizes, a few steps (the test uses this)
+
+(from the repository root, which makes ``tools`` and ``tests`` importable).
 
 Stages (``--stages``): ``target`` (tokenizer, training, export, eaglet-vs-transformers check) and
 ``draft`` (the target's own answers to held-in prompts, then eaglet's EAGLE-3 trainer).
@@ -23,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from eaglet.demo_model import DEMO_DIR
+from eaglet.testing import scenes
+from eaglet.testing.demo_task import TASK_WEIGHTS, docs_prompt_and_answer
+from eaglet.testing.docs_corpus import docs_paragraphs
+from tools.demo import train_target as tt
+from tools.demo.tokenizer import save_tokenizer, train_tokenizer
 
-from eaglet.demo_model import DEMO_DIR  # noqa: E402
-from tools.demo import corpus, scenes  # noqa: E402
-from tools.demo import train_target as tt  # noqa: E402
-from tools.demo.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 FULL_VOCAB = 1024
 FULL_TARGET_STEPS = 4000
@@ -45,7 +47,7 @@ SMOKE_MAX_NEW_TOKENS = 12
 
 def tokenizer_texts(seed: int) -> list[str]:
     rng = random.Random(f"tokenizer-{seed}")
-    texts = corpus.docs_paragraphs()
+    texts = docs_paragraphs()
     for _ in range(TOKENIZER_SCENES):
         scene = scenes.random_scene(rng)
         for kind in scenes.QUESTION_TYPES:
@@ -66,7 +68,7 @@ def build_target(out_dir: Path, work_dir: Path, *, smoke: bool, steps: int, batc
     save_tokenizer(tokenizer, init_dir)
     model = tt.load_model_for_training(init_dir)
     log(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {vocab}")
-    maker = tt.ExampleMaker(tokenizer, tt.make_image_processor(init_dir), corpus.docs_paragraphs())
+    maker = tt.ExampleMaker(tokenizer, tt.make_image_processor(init_dir), docs_paragraphs())
     settings = tt.TrainSettings(steps=steps, batch_size=batch_size, seed=seed,
                                 warmup_steps=min(100, max(1, steps // 10)),
                                 vision_pretrain_steps=4 if smoke else tt.TrainSettings.vision_pretrain_steps)
@@ -105,9 +107,9 @@ def check_against_transformers(checkpoint: Path) -> float:
     """Prompt logits of eaglet's loader and of transformers' reference on the exported files, both
     float32, for a scene question and a text prompt; raises if they disagree."""
     from eaglet.api import LLM
-    from tests.checkpoints import load_reference_kimi_k25
+    from eaglet.testing.checkpoints import load_reference_kimi_k25
+    from eaglet.testing.demo_task import user_prompt
     from tests.runtime_utils import prompt_logits
-    from tools.demo.tokenizer import user_prompt
 
     llm = LLM(str(checkpoint), dtype="float32", show_progress=False)
     reference = load_reference_kimi_k25(checkpoint)
@@ -135,13 +137,13 @@ def draft_prompts(count: int, seed: int) -> list[dict]:
     """Held-in prompts for draft training, in eaglet train-draft's format: scene questions of
     every kind (with the rendered image) and docs continuations, in the target's task mix."""
     rng = random.Random(f"draft-prompts-{seed}")
-    docs = corpus.docs_paragraphs()
-    kinds = list(tt.TASK_WEIGHTS)
+    docs = docs_paragraphs()
+    kinds = list(TASK_WEIGHTS)
     prompts = []
     for _ in range(count):
-        kind = rng.choices(kinds, weights=[tt.TASK_WEIGHTS[k] for k in kinds])[0]
+        kind = rng.choices(kinds, weights=[TASK_WEIGHTS[k] for k in kinds])[0]
         if kind == "docs":
-            prompt, _ = tt.docs_prompt_and_answer(docs, rng)
+            prompt, _ = docs_prompt_and_answer(docs, rng)
             prompts.append({"prompt": prompt})
         else:
             scene = scenes.random_scene(rng)

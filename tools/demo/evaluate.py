@@ -2,7 +2,7 @@
 scenes, EAGLE-3 accept length (chain and tree) with eaglet's own speculative decoding, and batch
 invariance of acceptance on multimodal prompts.
 
-    python tools/demo/evaluate.py [--target DIR --draft DIR] [--per-kind 40] [--json out.json]
+    python -m tools.demo.evaluate [--target DIR --draft DIR] [--per-kind 40] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,16 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from eaglet.api import LLM  # noqa: E402
-from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR  # noqa: E402
-from eaglet.sampling_params import SamplingParams  # noqa: E402
-from tools.demo import corpus, scenes  # noqa: E402
-from tools.demo import train_target as tt  # noqa: E402
-from tools.demo.tokenizer import user_prompt  # noqa: E402
+from eaglet.api import LLM
+from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
+from eaglet.sampling_params import SamplingParams
+from eaglet.testing import scenes
+from eaglet.testing.demo_task import held_out_prompts, user_prompt
 
 SCENE_KINDS = ("colour", "shape", "position", "count", "describe")
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
@@ -51,25 +46,6 @@ def held_out_scene_items(per_kind: int, seed: int = 0) -> list[SceneItem]:
             request = {"prompt": user_prompt(qa.question, with_image=True), "images": [scenes.render_scene(scene)]}
             items.append(SceneItem(kind, request, qa.answer))
     return items
-
-
-def held_out_prompts(count: int, seed: int = 0, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-    """Held-out prompts in the training task mix (scene questions of every type and docs
-    continuations; or only ``kinds``), for acceptance measurements."""
-    rng = random.Random(f"held-out-prompts-{seed}-{kinds}" if kinds else f"held-out-prompts-{seed}")
-    docs = corpus.docs_paragraphs()
-    kinds = list(kinds or tt.TASK_WEIGHTS)
-    prompts = []
-    for _ in range(count):
-        kind = rng.choices(kinds, weights=[tt.TASK_WEIGHTS[k] for k in kinds])[0]
-        if kind == "docs":
-            prompt, _ = tt.docs_prompt_and_answer(docs, rng)
-            prompts.append({"prompt": user_prompt(prompt, with_image=False)})
-        else:
-            scene = scenes.random_scene(rng)
-            qa = scenes.question_about(scene, kind, rng)
-            prompts.append({"prompt": user_prompt(qa.question, with_image=True), "images": [scenes.render_scene(scene)]})
-    return prompts
 
 
 def greedy(max_new_tokens: int = MAX_NEW_TOKENS) -> SamplingParams:

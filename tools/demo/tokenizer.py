@@ -10,35 +10,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from eaglet.testing.demo_task import CHAT_TEMPLATE
+
 # Ids follow the list order: [BOS] 0, [EOS] 1, <|im_end|> 2, ...
 SPECIAL_TOKENS = (
     "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
     "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "[PAD]",
 )
 BOS, EOS, IM_END, MEDIA_PAD, PAD = "[BOS]", "[EOS]", "<|im_end|>", "<|media_pad|>", "[PAD]"
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
-    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ['image', 'image_url'] -%}"
-    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-)
-
-
-def user_prompt(question: str, *, with_image: bool) -> str:
-    """The chat template's rendering of one user turn plus the generation prompt (kept in Python
-    too so training does not need jinja for every example)."""
-    image = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>" if with_image else ""
-    return f"<|im_user|>user<|im_middle|>{image}{question}<|im_end|><|im_assistant|>assistant<|im_middle|>"
-
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())

@@ -3,7 +3,7 @@ patch-merger projector) trained from scratch with transformers' reference implem
 exported in the published Kimi-K2.5 checkpoint layout that eaglet loads.
 
 The initial checkpoint (config.json, preprocessor_config.json, random weights under the published
-names) is written by tests/checkpoints.py, the same code that writes eaglet's test fixtures; the
+names) is written by eaglet/testing/checkpoints.py, the same code that writes eaglet's test fixtures; the
 trained weights go back through its transformers -> published name mapping.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,19 +20,16 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from eaglet.multimodal.image_processor import ImageProcessorConfig, KimiImageProcessor  # noqa: E402
-from tests.checkpoints import (  # noqa: E402
+from eaglet.multimodal.image_processor import ImageProcessorConfig, KimiImageProcessor
+from eaglet.testing import scenes
+from eaglet.testing.checkpoints import (
     load_reference_kimi_k25,
     read_checkpoint_tensors,
     transformers_state_to_published,
     write_kimi_k25_checkpoint,
 )
-from tools.demo import scenes  # noqa: E402
-from tools.demo.tokenizer import IM_END, MEDIA_PAD, PAD, special_token_id, user_prompt  # noqa: E402
+from eaglet.testing.demo_task import TASK_WEIGHTS, docs_prompt_and_answer, user_prompt
+from tools.demo.tokenizer import IM_END, MEDIA_PAD, PAD, special_token_id
 
 
 @dataclass(frozen=True)
@@ -132,30 +128,6 @@ class Example:
     pixel_values: torch.Tensor | None  # [patches, 3, p, p]
     grid_thw: tuple[int, int, int] | None
     scene_labels: tuple[list[int], list[int]] | None = None  # see scene_labels()
-
-
-# Relative frequencies of the training tasks.
-TASK_WEIGHTS = {"describe": 4, "colour": 3, "shape": 3, "position": 3, "count": 1, "docs": 1}
-DOCS_PROMPT_CHARS = 100
-DOCS_ANSWER_CHARS = 120
-
-
-def docs_prompt_and_answer(docs: list[str], rng: random.Random) -> tuple[str, str]:
-    """A "continue the text" request on a random docs paragraph and its true continuation, both
-    cut at spaces."""
-    paragraph = rng.choice(docs)
-    if len(paragraph) > DOCS_PROMPT_CHARS + 40:
-        start = rng.randrange(0, max(1, len(paragraph) - DOCS_PROMPT_CHARS - DOCS_ANSWER_CHARS))
-        start = paragraph.rfind(" ", 0, start) + 1 if start else 0
-        split = paragraph.find(" ", start + DOCS_PROMPT_CHARS)
-        split = split if split != -1 else start + DOCS_PROMPT_CHARS
-        head, tail = paragraph[start:split], paragraph[split:split + DOCS_ANSWER_CHARS]
-    else:
-        half = paragraph.find(" ", len(paragraph) // 2)
-        head, tail = paragraph[:half], paragraph[half:]
-    cut = tail.rfind(" ")
-    tail = tail if len(tail) < DOCS_ANSWER_CHARS or cut <= 0 else tail[:cut]
-    return f"Continue the text:\n{head}", tail
 
 
 class ExampleMaker:

@@ -1,0 +1,119 @@
+"""The memory-bandwidth floor of a decode step: the bytes it must read at least (the batch's
+embedding rows, every non-expert weight, only the distinct routed experts the step activates, the
+latent cache at the mean length) over the measured read bandwidth, beside a compute floor."""
+
+from __future__ import annotations
+
+import statistics
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from eaglet import LLM
+from eaglet.bench.eaglet_runs import run_eaglet
+
+if TYPE_CHECKING:
+    from eaglet.models.config import TextConfig
+
+
+class ExpertCounter:
+    """Wraps RoutedExperts.forward (in this process only) to count distinct experts per decode call.
+
+    During a timed run it only keeps a copy of each call's expert ids (a few microseconds per layer);
+    the distinct counts are computed afterwards."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from eaglet.layers.moe import RoutedExperts
+
+        self.cls = RoutedExperts
+        self.layer_of = {id(m): name for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
+        self.decode = False
+        self.per_layer: dict[str, list[torch.Tensor]] = {name: [] for name in self.layer_of.values()}
+        self._orig = None
+
+    def __enter__(self) -> "ExpertCounter":
+        orig = self._orig = self.cls.forward
+        counter = self
+
+        def forward(module: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                    expert_ids: torch.Tensor) -> torch.Tensor:
+            if counter.decode:
+                counter.per_layer[counter.layer_of[id(module)]].append(expert_ids.clone())
+            return orig(module, x, weights, expert_ids)
+
+        self.cls.forward = forward
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.cls.forward = self._orig
+
+    def reset(self) -> None:
+        for v in self.per_layer.values():
+            v.clear()
+
+    def mean_distinct(self) -> dict[str, float]:
+        return {name: (statistics.fmean(int(torch.unique(ids).numel()) for ids in v) if v else 0.0)
+                for name, v in self.per_layer.items()}
+
+
+def step_floor(model: torch.nn.Module, cfg: TextConfig, dtype: torch.dtype, batch: int, mean_seq_len: float,
+               distinct: dict[str, float], read_gbps: float, gemm_gflops: float) -> dict:
+    """Bytes a decode step must read and FLOPs it must do, from eaglet's own parameters."""
+    from eaglet.layers.moe import RoutedExperts
+
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
+    expert_params = {id(p) for m in experts.values() for p in (m.w13, m.w2)}
+    weight_bytes = 0  # everything read in full (attention, dense, shared, router, norms, lm_head)
+    linear_numel = 0  # weights every token multiplies with (for FLOPs)
+    embed_bytes = 0
+    for name, p in model.named_parameters():
+        if id(p) in expert_params:
+            continue
+        if "embed_tokens" in name:
+            embed_bytes = batch * p.shape[-1] * p.element_size()
+            continue
+        weight_bytes += p.numel() * p.element_size()
+        if p.dim() == 2:
+            linear_numel += p.numel()
+    expert_bytes = 0.0
+    expert_numel_per_token = 0
+    for name, m in experts.items():
+        per_expert = (m.w13[0].numel() + m.w2[0].numel())
+        expert_bytes += distinct.get(name, 0.0) * per_expert * m.w13.element_size()
+        expert_numel_per_token += cfg.num_experts_per_tok * per_expert
+    layers, kv_dim = cfg.num_hidden_layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    kv_bytes = layers * batch * mean_seq_len * kv_dim * dtype.itemsize
+    total_bytes = embed_bytes + weight_bytes + expert_bytes + kv_bytes
+    attn_flops = layers * 2 * cfg.num_attention_heads * mean_seq_len * (kv_dim + cfg.kv_lora_rank)
+    flops = batch * (2 * (linear_numel + expert_numel_per_token) + attn_flops)
+    mem_ms = 1e3 * total_bytes / (read_gbps * 1e9)
+    compute_ms = 1e3 * flops / (gemm_gflops * 1e9)
+    return {
+        "bytes": {
+            "embedding_rows": embed_bytes,
+            "dense_weights": weight_bytes,
+            "active_experts": expert_bytes,
+            "kv_cache": kv_bytes,
+            "total": total_bytes,
+        },
+        "mean_distinct_experts_per_moe_layer": statistics.fmean(distinct.values()) if distinct else 0.0,
+        "flops": flops,
+        "mem_floor_ms": mem_ms,
+        "compute_floor_ms": compute_ms,
+        "roofline_floor_ms": max(mem_ms, compute_ms),
+    }
+
+
+def plain_step_floor(llm: LLM, prompts: list, new_tokens: int, prompt_len: int, read_gbps: float,
+                     dtype: torch.dtype) -> dict:
+    """Bytes a plain decode step must read, counted on an untimed run (distinct experts per step)."""
+    model = llm.engine.model
+    counter = ExpertCounter(model)
+    with counter:
+        counter.decode = True
+        run_eaglet(llm, prompts, min(new_tokens, 16), ignore_eos=True)
+    text = llm.engine.model_config.text
+    return step_floor(model, text, dtype, len(prompts), prompt_len + new_tokens / 2,
+                      counter.mean_distinct(), read_gbps, gemm_gflops=float("inf"))

@@ -1,0 +1,46 @@
+"""A bench row: the medians of one engine's timed runs at one batch size, and its ratios against
+its own plain decoding and against each peer."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
+    row = {"engine": engine, "mode": mode, "batch": batch, "repeats": len(runs),
+           "tokens_per_s": _median(runs, "decode_tok_s"), "ttft_ms": _median(runs, "ttft_ms"),
+           "itl_ms": _median(runs, "itl_ms"), "tokens_per_s_runs": [r["decode_tok_s"] for r in runs]}
+    if "accept_length" in runs[0]:
+        row["accept_length"] = _median(runs, "accept_length")
+        positions = len(runs[0]["per_position_acceptance"])
+        row["per_position_acceptance"] = [statistics.median(r["per_position_acceptance"][k] for r in runs)
+                                          for k in range(positions)]
+        row["phase_share"] = {p: statistics.median(r["phase_share"][p] for r in runs) for p in runs[0]["phase_share"]}
+        row["ms_per_round"] = _median(runs, "ms_per_round")
+        # Decode steps per level ("off" = plain), all timed runs together: what the adaptive policy chose.
+        row["decode_steps_per_level"] = {level: sum(r["decode_steps_per_level"][level] for r in runs)
+                                         for level in runs[0]["decode_steps_per_level"]}
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each speculative mode over its own engine's plain decoding (``over_eaglet_plain`` /
+    ``over_vllm_plain``), and each eaglet row over each peer at the same batch size: the peer's same
+    mode where it ran it (eaglet chain vs vLLM EAGLE-3 chain), else the peer's plain decoding."""
+    by_key = {(r["engine"], r["mode"], r["batch"]): r for r in rows}
+    for row in rows:
+        plain = by_key.get((row["engine"], "plain", row["batch"]))
+        if plain is not None and row["engine"] in ("eaglet", "vllm"):
+            row[f"over_{row['engine']}_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
+        if row["engine"] != "eaglet":
+            continue
+        for peer in ("transformers", "vllm"):
+            mode = "chain" if row["mode"] == "adaptive" else row["mode"]  # vLLM's EAGLE-3 drafts a chain
+            other = by_key.get((peer, mode, row["batch"])) or by_key.get((peer, "plain", row["batch"]))
+            if other is not None:
+                row[f"over_{peer}"] = row["tokens_per_s"] / other["tokens_per_s"]
+                row[f"over_{peer}_mode"] = other["mode"]
