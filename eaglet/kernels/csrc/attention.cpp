@@ -320,10 +320,12 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
 }  // namespace
 
 at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv,
-                                  const at::Tensor& w_uk, const at::Tensor& w_uv_t, const at::Tensor& slots,
-                                  const at::Tensor& kv_lens, const at::Tensor& token_starts,
-                                  const c10::optional<at::Tensor>& custom_mask, double scale,
-                                  const c10::optional<at::Tensor>& w_uk_packed, const c10::optional<at::Tensor>& w_uv_packed) {
+                                  const AbsorbedLayer& layer, const AttentionMetadata& metadata) {
+  const at::Tensor &w_uk = layer.w_uk, &w_uv_t = layer.w_uv_t;
+  const c10::optional<at::Tensor> &w_uk_packed = layer.w_uk_packed, &w_uv_packed = layer.w_uv_packed;
+  const at::Tensor &slots = metadata.slots, &kv_lens = metadata.kv_lens, &token_starts = metadata.token_starts;
+  const c10::optional<at::Tensor>& custom_mask = metadata.custom_mask;
+  const double scale = layer.scale;
   TORCH_CHECK(q_nope.dim() == 3 && q_pe.dim() == 3 && q_nope.size(0) == q_pe.size(0) && q_nope.size(1) == q_pe.size(1),
               "mla_absorbed_attention: q_nope [T, H, P] and q_pe [T, H, R]");
   TORCH_CHECK(q_nope.scalar_type() == q_pe.scalar_type(), "mla_absorbed_attention: q_nope and q_pe dtypes differ");

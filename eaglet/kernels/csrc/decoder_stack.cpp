@@ -46,18 +46,14 @@ c10::optional<at::Tensor> optional_entry(const c10::Dict<std::string, at::Tensor
 
 }  // namespace
 
-// ints: hidden, heads, qk_nope, qk_rope, v_head, kv_lora, q_lora (0: none), top_k, n_group,
-// topk_group, norm_topk_prob, rope_interleave; floats: rms eps, softmax scale, routed scaling.
-DecoderStack::DecoderStack(std::vector<int64_t> ints, std::vector<double> floats) {
-  TORCH_CHECK(ints.size() == 12 && floats.size() == 3, "DecoderStack: 12 ints and 3 floats");
-  hidden = ints[0], heads = ints[1], nope = ints[2], rope = ints[3], value = ints[4], latent = ints[5], q_lora = ints[6];
-  top_k = ints[7], n_group = ints[8], topk_group = ints[9], norm_topk_prob = ints[10] != 0, interleave = ints[11] != 0;
-  eps = floats[0], scaling = floats[1], routed_scaling = floats[2];
-}
+DecoderStack::DecoderStack(const DecoderStackConfig& config)
+    : hidden(config.hidden_size), heads(config.num_heads), nope(config.qk_nope_head_dim), rope(config.qk_rope_head_dim),
+      value(config.v_head_dim), latent(config.kv_lora_rank), q_lora(config.q_lora_rank), interleave(config.rope_interleave),
+      eps(config.rms_norm_eps), scaling(config.softmax_scale), router(config.router) {}
 
-// weights by role (see StackLayer); sizes: mlp_inter (dense or shared; 0: no shared experts), expert_inter (0: dense layer).
-void DecoderStack::add_layer(c10::Dict<std::string, at::Tensor> weights, std::vector<int64_t> sizes) {
-  TORCH_CHECK(sizes.size() == 2, "DecoderStack.add_layer: sizes are [mlp_inter, expert_inter]");
+// weights by role (see StackLayer); mlp_inter: the dense MLP's or shared experts' (0: no shared
+// experts), expert_inter: the routed experts' (0: a dense layer).
+void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights, int64_t mlp_inter, int64_t expert_inter) {
   StackLayer layer;
   layer.input_norm = weights.at("input_norm");
   layer.post_norm = weights.at("post_norm");
@@ -67,15 +63,16 @@ void DecoderStack::add_layer(c10::Dict<std::string, at::Tensor> weights, std::ve
   layer.first_bias = optional_entry(weights, "first_bias");
   layer.q_proj = weights.at("q_proj");
   if (q_lora) layer.q_a_norm = weights.at("q_a_norm");
-  layer.w_uk = weights.at("w_uk");
-  layer.w_uv_t = weights.at("w_uv_t");
-  layer.uk_packed = optional_entry(weights, "uk_packed");
-  layer.uv_packed = optional_entry(weights, "uv_packed");
+  layer.attention = {.w_uk = weights.at("w_uk"),
+                     .w_uv_t = weights.at("w_uv_t"),
+                     .w_uk_packed = optional_entry(weights, "uk_packed"),
+                     .w_uv_packed = optional_entry(weights, "uv_packed"),
+                     .scale = scaling};
   layer.o_proj = weights.at("o_proj");
   layer.o_bias = optional_entry(weights, "o_bias");
-  layer.mlp_inter = sizes[0];
-  layer.expert_inter = sizes[1];
-  layer.moe = sizes[1] > 0;
+  layer.mlp_inter = mlp_inter;
+  layer.expert_inter = expert_inter;
+  layer.moe = expert_inter > 0;
   if (layer.mlp_inter) {
     layer.mlp_w13 = weights.at("mlp_w13");
     layer.mlp_w2 = weights.at("mlp_w2");
@@ -90,17 +87,23 @@ void DecoderStack::add_layer(c10::Dict<std::string, at::Tensor> weights, std::ve
   layers.push_back(std::move(layer));
 }
 
+void DecoderStack::set_draft_head(const DraftHead& head) { draft_head = head; }
+
+// The draft head, which `call` needs: set_draft_head must have run.
+const DraftHead& DecoderStack::head_of(const char* call) const {
+  TORCH_CHECK(draft_head.has_value(), call, ": no draft head (set_draft_head)");
+  return *draft_head;
+}
+
 // hidden [T, D] bfloat16 in; returns [final hidden (before the model's norm), then the hidden
-// after each layer of capture_layers, ascending]. kv: the pool [layers, slots, L + R]; the rest
-// is mla_absorbed_attention's metadata, the same for every layer.
-std::vector<at::Tensor> DecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor out_cache_loc,
-                                              at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts,
-                                              c10::optional<at::Tensor> custom_mask, std::vector<int64_t> capture_layers) {
-  check_inputs(h, kv);
+// after each layer of capture_layers, ascending]. batch.kv: the pool [layers, slots, L + R].
+std::vector<at::Tensor> DecoderStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const AbsorbedBatch& batch,
+                                              const std::vector<int64_t>& capture_layers) {
+  check_inputs(h, batch.kv);
   std::vector<at::Tensor> out{at::Tensor()};
   for (int64_t i = 0; i < num_layers(); ++i) {
     const StackLayer& l = layers[i];
-    h = layer_forward(l, i, rms_norm(h, l.input_norm, eps), h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
+    h = layer_forward(l, i, rms_norm(h, l.input_norm, eps), h, cos, sin, batch);
     if (std::find(capture_layers.begin(), capture_layers.end(), i) != capture_layers.end()) out.push_back(h);
   }
   out[0] = h;
@@ -109,14 +112,14 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor h, at::Tensor cos, at::
 
 // The EAGLE-3 midlayer (a stack of one layer added with a "hidden_norm"): attention reads
 // cat(input_norm(emb), hidden_norm(h)), h is the residual. Returns the layer's output.
-at::Tensor DecoderStack::forward_eagle3(at::Tensor emb, at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv,
-                                        at::Tensor out_cache_loc, at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts, c10::optional<at::Tensor> custom_mask) {
+at::Tensor DecoderStack::forward_eagle3(const at::Tensor& emb, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                                        const AbsorbedBatch& batch) {
   TORCH_CHECK(num_layers() == 1 && layers[0].hidden_norm.defined(), "DecoderStack.forward_eagle3: a stack of one EAGLE-3 midlayer");
   TORCH_CHECK(emb.sizes() == h.sizes() && emb.scalar_type() == h.scalar_type(), "DecoderStack.forward_eagle3: emb and hidden differ in shape");
-  check_inputs(h, kv);
+  check_inputs(h, batch.kv);
   const StackLayer& l = layers[0];
   const at::Tensor x = at::cat({rms_norm(emb, l.input_norm, eps), rms_norm(h, l.hidden_norm, eps)}, -1);
-  return layer_forward(l, 0, x, h, cos, sin, kv, out_cache_loc, slots, kv_lens, token_starts, custom_mask);
+  return layer_forward(l, 0, x, h, cos, sin, batch);
 }
 
 void DecoderStack::check_inputs(const at::Tensor& h, const at::Tensor& kv) const {
@@ -127,32 +130,29 @@ void DecoderStack::check_inputs(const at::Tensor& h, const at::Tensor& kv) const
 // One layer: h + attention(x), then + the MLP of its norm; x is the normed attention input.
 // Each step runs in a profiler range (traced), so torch.profiler shows where a forward's time goes.
 at::Tensor DecoderStack::layer_forward(const StackLayer& l, int64_t index, const at::Tensor& x, at::Tensor h, const at::Tensor& cos,
-                                       const at::Tensor& sin, const at::Tensor& kv, const at::Tensor& out_cache_loc,
-                                       const at::Tensor& slots, const at::Tensor& kv_lens, const at::Tensor& token_starts,
-                                       const c10::optional<at::Tensor>& custom_mask) {
+                                       const at::Tensor& sin, const AbsorbedBatch& batch) {
   const int64_t tokens = h.size(0), offset = q_lora ? q_lora : 0;
   const at::Tensor down = traced("eaglet.stack.down_proj", [&] { return amx_linear(x, l.first, offset + latent + rope, l.first_bias); });
   const at::Tensor q = traced("eaglet.stack.q_proj", [&] {
     const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
     return amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
   });
-  at::Tensor layer_kv = kv.select(0, index);
+  at::Tensor layer_kv = batch.kv.select(0, index);
   const at::Tensor q_pe = traced("eaglet.stack.rope_and_cache_write", [&] {
     const at::Tensor c_kv = rms_norm(down.narrow(1, offset, latent), l.kv_a_norm, eps);
     auto [q_rot, k_rot] = rope_query_key(q.narrow(2, nope, rope), down.narrow(1, offset + latent, rope), cos, sin, interleave);
-    mla_cache_write(layer_kv, out_cache_loc, c_kv, k_rot);
+    mla_cache_write(layer_kv, batch.out_cache_loc, c_kv, k_rot);
     return q_rot;
   });
   const at::Tensor attn = traced("eaglet.stack.attention", [&] {
-    return mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.w_uk, l.w_uv_t, slots, kv_lens, token_starts,
-                                  custom_mask, scaling, l.uk_packed, l.uv_packed);
+    return mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.attention, batch.attention);
   });
   h = traced("eaglet.stack.o_proj", [&] { return add_bf16(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)); });
   const at::Tensor y = rms_norm(h, l.post_norm, eps);
   at::Tensor mlp;
   if (l.moe) {
     const auto route = traced("eaglet.stack.router", [&] {
-      return noaux_route(y, l.router_weight, l.router_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling);
+      return noaux_route(y, l.router_weight, l.router_bias, router);
     });
     mlp = traced("eaglet.stack.routed_experts", [&] {
       return moe_routed_experts(y, l.experts_w13, l.experts_w2, std::get<0>(route), std::get<1>(route), l.expert_inter);

@@ -31,17 +31,16 @@ at::Tensor table_rows(const at::Tensor& req_to_token, const at::Tensor& rows, in
 // (k > 1 only) and state_hidden [rows, H] (the hidden fed to the next step). rope_table
 // [> max(positions), 2, R / 2]. With feature_rows [T], token t reads features[feature_rows[t]]
 // (a round's commit: the verify's features of each accepted path's nodes).
-void DecoderStack::extend_proposals(at::Tensor ids, at::Tensor features, at::Tensor fc, int64_t fc_out, at::Tensor embed,
-                                    at::Tensor rope_table, at::Tensor positions, at::Tensor norm_weight, double norm_eps,
-                                    at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
-                                    bool norm_output, at::Tensor logits_rows, int64_t k, at::Tensor state_rows, at::Tensor state_tokens,
-                                    at::Tensor state_logprobs, at::Tensor state_hidden, at::Tensor kv, at::Tensor out_cache_loc,
-                                    at::Tensor slots, at::Tensor kv_lens, at::Tensor token_starts, c10::optional<at::Tensor> custom_mask,
-                                    c10::optional<at::Tensor> feature_rows) {
-  if (feature_rows) features = features.index_select(0, *feature_rows);
+void DecoderStack::extend_proposals(const DraftExtend& extend, const AbsorbedBatch& batch) {
+  const DraftHead& head = head_of("DecoderStack.extend_proposals");
+  const at::Tensor &ids = extend.ids, &positions = extend.positions, &rope_table = extend.rope_table;
+  const at::Tensor &logits_rows = extend.logits_rows, &state_rows = extend.state_rows;
+  const at::Tensor &state_tokens = extend.state_tokens, &state_logprobs = extend.state_logprobs, &state_hidden = extend.state_hidden;
+  const int64_t k = extend.k;
+  const at::Tensor features = extend.feature_rows ? extend.features.index_select(0, *extend.feature_rows) : extend.features;
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && positions.sizes() == ids.sizes() &&
                   positions.scalar_type() == at::kLong && logits_rows.dim() == 1 && logits_rows.scalar_type() == at::kLong &&
-                  d2t.scalar_type() == at::kLong && state_rows.sizes() == logits_rows.sizes() &&
+                  head.d2t.scalar_type() == at::kLong && state_rows.sizes() == logits_rows.sizes() &&
                   state_rows.scalar_type() == at::kLong,
               "DecoderStack.extend_proposals: int64 ids [T], positions [T], logits_rows [R], state_rows [R] and d2t");
   TORCH_CHECK(features.dim() == 2 && features.size(0) == ids.size(0), "DecoderStack.extend_proposals: features [T, F]");
@@ -54,22 +53,23 @@ void DecoderStack::extend_proposals(at::Tensor ids, at::Tensor features, at::Ten
                   state_hidden.scalar_type() == at::kBFloat16 && state_hidden.is_contiguous(),
               "DecoderStack.extend_proposals: contiguous state tables: int64 tokens and float32 logprobs [rows, >= ", k,
               "], bfloat16 hidden [rows, ", hidden, "]");
-  const at::Tensor h = amx_linear(features, fc, fc_out, c10::nullopt);
+  TORCH_CHECK(head.fc.has_value(), "DecoderStack.extend_proposals: the draft head has no fc tile copy");
+  const at::Tensor h = amx_linear(features, *head.fc, head.fc_out, c10::nullopt);
   const at::Tensor cos_sin = rope_table.index_select(0, positions);
-  const at::Tensor out = forward_eagle3(embed.index_select(0, ids), h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
-                                        out_cache_loc, slots, kv_lens, token_starts, custom_mask);
+  const at::Tensor out = forward_eagle3(head.embed.index_select(0, ids), h, cos_sin.select(1, 0), cos_sin.select(1, 1), batch);
   const at::Tensor rows = out.index_select(0, logits_rows);
-  const at::Tensor normed = rms_norm(rows, norm_weight, norm_eps);
+  const at::Tensor normed = rms_norm(rows, head.norm_weight, head.norm_eps);
   at::Tensor top_ids, top_logprobs;
   if (k == 1) {
-    const at::Tensor draft_ids = amx_linear_argmax(normed, lm_head, vocab, lm_head_bias);
-    top_ids = draft_ids + d2t.index_select(0, draft_ids);
+    const at::Tensor draft_ids = amx_linear_argmax(normed, head.lm_head, head.vocab, head.lm_head_bias);
+    top_ids = draft_ids + head.d2t.index_select(0, draft_ids);
   } else {
-    const std::vector<at::Tensor> top = topk_logprobs(amx_linear(normed, lm_head, vocab, lm_head_bias, true), k, d2t);
+    const at::Tensor logits = amx_linear(normed, head.lm_head, head.vocab, head.lm_head_bias, true);
+    const std::vector<at::Tensor> top = topk_logprobs(logits, k, head.d2t);
     top_logprobs = top[0];
     top_ids = top[1];
   }
-  const at::Tensor hidden_out = (norm_output ? normed : rows).contiguous();
+  const at::Tensor hidden_out = (head.norm_output ? normed : rows).contiguous();
   const at::Tensor state_rows_c = state_rows.contiguous();
   const int64_t* sr = state_rows_c.data_ptr<int64_t>();
   const int64_t* tp = top_ids.data_ptr<int64_t>();
@@ -97,14 +97,16 @@ void DecoderStack::extend_proposals(at::Tensor ids, at::Tensor features, at::Ten
 // [B, S] (-1 pads), drafting stops once every request's chain holds one of its final ids (tokens
 // that would end it: later drafts are never kept). Returns the chain [B, steps + 2] (shorter
 // where it stopped): the roots, the tokens, then the drafted target ids.
-at::Tensor DecoderStack::draft_chain(at::Tensor roots, at::Tensor state_rows, at::Tensor state_tokens, at::Tensor state_hidden,
-                                     at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight, double norm_eps, at::Tensor lm_head,
-                                     int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t, bool norm_output, at::Tensor kv,
-                                     at::Tensor req_to_token, at::Tensor prefix, int64_t steps, c10::optional<at::Tensor> final_ids) {
+at::Tensor DecoderStack::draft_chain(const DraftRound& round, const c10::optional<at::Tensor>& final_ids) {
+  const DraftHead& head = head_of("DecoderStack.draft_chain");
+  const at::Tensor &roots = round.roots, &state_rows = round.state_rows, &prefix = round.prefix;
+  const at::Tensor &state_tokens = round.state_tokens, &state_hidden = round.state_hidden;
+  const at::Tensor &rope_table = round.rope_table, &kv = round.kv, &req_to_token = round.req_to_token;
+  const int64_t steps = round.steps;
   const int64_t batch = state_rows.size(0);
   TORCH_CHECK(state_rows.dim() == 1 && state_rows.scalar_type() == at::kLong && prefix.sizes() == state_rows.sizes() &&
                   roots.sizes() == state_rows.sizes() && roots.scalar_type() == at::kLong && prefix.scalar_type() == at::kLong &&
-                  d2t.scalar_type() == at::kLong,
+                  head.d2t.scalar_type() == at::kLong,
               "DecoderStack.draft_chain: int64 roots [B], state_rows [B], prefix [B] and d2t");
   TORCH_CHECK(state_tokens.dim() == 2 && state_tokens.size(1) >= 1 && state_tokens.scalar_type() == at::kLong &&
                   state_hidden.dim() == 2 && req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong,
@@ -118,14 +120,14 @@ at::Tensor DecoderStack::draft_chain(at::Tensor roots, at::Tensor state_rows, at
   const at::Tensor row_slots = table_rows(req_to_token, state_rows, max_prefix + steps);
   TORCH_CHECK(row_slots.size(1) >= max_prefix + steps && rope_table.size(0) >= max_prefix + steps,
               "DecoderStack.draft_chain: req_to_token or rope_table too short for ", steps, " steps");
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.scalar_type() == h.scalar_type(),
+  TORCH_CHECK(head.embed.dim() == 2 && head.embed.size(1) == hidden && head.embed.scalar_type() == h.scalar_type(),
               "DecoderStack.draft_chain: embeddings [V, ", hidden, "] in the hidden's dtype");
   // Each step's inputs are written in place (ids, positions, slots, embedding and rotary rows):
   // at one row per request, a step's tensor ops would cost more than its cache write and rotary.
   const auto longs = prefix_c.options();
   const at::Tensor token_starts = at::arange(batch + 1, longs);
-  const at::Tensor slots_c = row_slots.contiguous(), embed_c = embed.contiguous(), table_c = rope_table.contiguous();
-  const at::Tensor d2t_c = d2t.contiguous();
+  const at::Tensor slots_c = row_slots.contiguous(), embed_c = head.embed.contiguous(), table_c = rope_table.contiguous();
+  const at::Tensor d2t_c = head.d2t.contiguous();
   at::Tensor chain = at::empty({batch, steps + 2}, longs);
   at::Tensor out_cache_loc = at::empty({batch}, longs), kv_lens = at::empty({batch}, longs);
   at::Tensor emb = at::empty({batch, hidden}, embed_c.options());
@@ -172,16 +174,21 @@ at::Tensor DecoderStack::draft_chain(at::Tensor roots, at::Tensor state_rows, at
                   hidden * emb.element_size());
       std::memcpy(static_cast<char*>(cos_sin.data_ptr()) + b * table_row, table_base + position * table_row, table_row);
     }
-    const at::Tensor out = forward_eagle3(emb, h, cos_sin.select(1, 0), cos_sin.select(1, 1), kv, out_cache_loc,
-                                          slots_c.narrow(1, 0, max_prefix + s), kv_lens, token_starts, c10::nullopt);
-    const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
-    const at::Tensor draft_ids = amx_linear_argmax(normed, lm_head, vocab, lm_head_bias);
+    const AbsorbedBatch step{.kv = kv,
+                             .out_cache_loc = out_cache_loc,
+                             .attention = {.slots = slots_c.narrow(1, 0, max_prefix + s),
+                                           .kv_lens = kv_lens,
+                                           .token_starts = token_starts,
+                                           .custom_mask = c10::nullopt}};
+    const at::Tensor out = forward_eagle3(emb, h, cos_sin.select(1, 0), cos_sin.select(1, 1), step);
+    const at::Tensor normed = rms_norm(out, head.norm_weight, head.norm_eps);
+    const at::Tensor draft_ids = amx_linear_argmax(normed, head.lm_head, head.vocab, head.lm_head_bias);
     const int64_t* ids = draft_ids.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK(ids[b] < d2t_c.size(0), "DecoderStack.draft_chain: d2t [", d2t_c.size(0), "] shorter than the lm_head");
       cp[b * (steps + 2) + s + 1] = ids[b] + d2tp[ids[b]];
     }
-    h = norm_output ? normed : out;
+    h = head.norm_output ? normed : out;
     if (s < drafted && all_ended(s + 1)) drafted = s;
   }
   if (drafted < steps) return chain.narrow(1, 0, drafted + 2).contiguous();
@@ -200,18 +207,19 @@ at::Tensor DecoderStack::draft_chain(at::Tensor roots, at::Tensor state_rows, at
 // parent's hidden out. Same kernels on the same inputs as the per-step Eagle3Draft.forward.
 // Cache slots by row index: row state_rows[b] of req_to_token [R, >= max(prefix) + (steps - 1) * k].
 // Returns select_draft_tree's [tokens, parents, depths] of num_nodes nodes, the roots first.
-std::vector<at::Tensor> DecoderStack::draft_tree(at::Tensor roots, at::Tensor state_rows, at::Tensor state_tokens, at::Tensor state_logprobs,
-                                                 int64_t k, at::Tensor state_hidden, at::Tensor embed, at::Tensor rope_table, at::Tensor norm_weight,
-                                                 double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias,
-                                                 at::Tensor d2t, bool norm_output, at::Tensor kv, at::Tensor req_to_token, at::Tensor prefix,
-                                                 int64_t steps, int64_t num_nodes) {
+std::vector<at::Tensor> DecoderStack::draft_tree(const DraftRound& round, int64_t k, int64_t num_nodes) {
+  const DraftHead& head = head_of("DecoderStack.draft_tree");
+  const at::Tensor &roots = round.roots, &state_rows = round.state_rows, &prefix = round.prefix;
+  const at::Tensor &state_tokens = round.state_tokens, &state_logprobs = round.state_logprobs, &state_hidden = round.state_hidden;
+  const at::Tensor &rope_table = round.rope_table, &kv = round.kv, &req_to_token = round.req_to_token;
+  const int64_t steps = round.steps;
   const int64_t batch = state_rows.size(0);
   TORCH_CHECK(state_tokens.dim() == 2 && k >= 1 && state_tokens.size(1) >= k && state_tokens.scalar_type() == at::kLong &&
                   state_logprobs.sizes() == state_tokens.sizes() && state_logprobs.scalar_type() == at::kFloat,
               "DecoderStack.draft_tree: int64 state_tokens and float32 state_logprobs [R, >= k]");
   TORCH_CHECK(state_rows.dim() == 1 && state_rows.scalar_type() == at::kLong && roots.sizes() == state_rows.sizes() &&
                   roots.scalar_type() == at::kLong && prefix.sizes() == state_rows.sizes() && prefix.scalar_type() == at::kLong &&
-                  d2t.scalar_type() == at::kLong,
+                  head.d2t.scalar_type() == at::kLong,
               "DecoderStack.draft_tree: int64 roots [B], state_rows [B], prefix [B] and d2t");
   TORCH_CHECK(state_hidden.dim() == 2 && req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong,
               "DecoderStack.draft_tree: state_hidden [R, H], int64 req_to_token [R, W]");
@@ -280,11 +288,17 @@ std::vector<at::Tensor> DecoderStack::draft_tree(at::Tensor roots, at::Tensor st
       }
     }
     const at::Tensor cos_sin = rope_table.index_select(0, positions);
-    const at::Tensor out = forward_eagle3(embed.index_select(0, input_ids), hidden, cos_sin.select(1, 0), cos_sin.select(1, 1), kv,
-                                          out_cache_loc, row_slots.narrow(1, 0, num_keys), kv_lens, token_starts, mask);
-    const at::Tensor normed = rms_norm(out, norm_weight, norm_eps);
-    const at::Tensor logits = amx_linear(normed, lm_head, vocab, lm_head_bias, true);
-    const std::vector<at::Tensor> top = topk_logprobs(logits, k, d2t);  // [B * k, k] each
+    const AbsorbedBatch step{.kv = kv,
+                             .out_cache_loc = out_cache_loc,
+                             .attention = {.slots = row_slots.narrow(1, 0, num_keys),
+                                           .kv_lens = kv_lens,
+                                           .token_starts = token_starts,
+                                           .custom_mask = mask}};
+    const at::Tensor out =
+        forward_eagle3(head.embed.index_select(0, input_ids), hidden, cos_sin.select(1, 0), cos_sin.select(1, 1), step);
+    const at::Tensor normed = rms_norm(out, head.norm_weight, head.norm_eps);
+    const at::Tensor logits = amx_linear(normed, head.lm_head, head.vocab, head.lm_head_bias, true);
+    const std::vector<at::Tensor> top = topk_logprobs(logits, k, head.d2t);  // [B * k, k] each
     const float* tv = top[0].data_ptr<float>();
     const int64_t* ti = top[1].data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
@@ -299,7 +313,7 @@ std::vector<at::Tensor> DecoderStack::draft_tree(at::Tensor roots, at::Tensor st
     }
     std::fill(cd + count, cd + count + k * k, s + 1);
     if (s == steps - 1) break;
-    const at::Tensor out_hidden = norm_output ? normed : out;
+    const at::Tensor out_hidden = head.norm_output ? normed : out;
     std::vector<int64_t> parent_rows(rows);
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t base = b * num_candidates + count;

@@ -24,16 +24,40 @@ std::tuple<at::Tensor, at::Tensor> rope_query_key(const at::Tensor& q_pe, const 
 
 // routing.cpp
 void top_indices(const float* values, int64_t n, int64_t k, int64_t* out);
+
+// DeepSeek-V3's routing rule: each token's top_k experts by sigmoid score plus bias, among the
+// topk_group best of n_group expert groups (each scored by its two best experts); their scores
+// normalised to sum 1 (norm_topk_prob) and multiplied by scaling.
+struct RouterConfig {
+  int64_t top_k, n_group, topk_group;
+  bool norm_topk_prob;
+  double scaling;
+};
+
 std::tuple<at::Tensor, at::Tensor> noaux_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                               int64_t top_k, int64_t n_group, int64_t topk_group,
-                                               bool norm_topk_prob, double scaling);
+                                               const RouterConfig& router);
 
 // attention.cpp
+
+// What absorbed attention takes from a layer: W_UK [H, P, L] and W_UV^T [H, L, V] in float32, their
+// tile copies (both or neither: [H, ...] stacks of amx_pack_weight's W_UK^T and W_UV, for bfloat16
+// queries) and the softmax scale.
+struct AbsorbedLayer {
+  at::Tensor w_uk, w_uv_t;
+  c10::optional<at::Tensor> w_uk_packed, w_uv_packed;
+  double scale;
+};
+
+// Where a batch's keys are, the same for every layer: slots [B, S] (each request's cache slots by
+// row index), kv_lens [B] (its number of keys), token_starts [B + 1] (its first token, then T) and
+// custom_mask [T, S] bool (the keys each token sees; none: causal).
+struct AttentionMetadata {
+  at::Tensor slots, kv_lens, token_starts;
+  c10::optional<at::Tensor> custom_mask;
+};
+
 at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv,
-                                  const at::Tensor& w_uk, const at::Tensor& w_uv_t, const at::Tensor& slots,
-                                  const at::Tensor& kv_lens, const at::Tensor& token_starts,
-                                  const c10::optional<at::Tensor>& custom_mask, double scale,
-                                  const c10::optional<at::Tensor>& w_uk_packed, const c10::optional<at::Tensor>& w_uv_packed);
+                                  const AbsorbedLayer& layer, const AttentionMetadata& metadata);
 
 // cache.cpp
 void mla_cache_write(at::Tensor kv, const at::Tensor& out_cache_loc, const at::Tensor& c_kv, const at::Tensor& k_pe);

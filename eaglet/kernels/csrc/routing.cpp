@@ -81,8 +81,10 @@ void route_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> noaux_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                               int64_t top_k, int64_t n_group, int64_t topk_group,
-                                               bool norm_topk_prob, double scaling) {
+                                               const RouterConfig& router) {
+  const int64_t top_k = router.top_k, n_group = router.n_group, topk_group = router.topk_group;
+  const bool norm_topk_prob = router.norm_topk_prob;
+  const double scaling = router.scaling;
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "noaux_route: x [T, D], weight [E, D]");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat, "noaux_route: float32 router");
   TORCH_CHECK(n_group >= 1 && weight.size(0) % n_group == 0, "noaux_route: experts not divisible into groups");
