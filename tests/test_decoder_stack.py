@@ -253,7 +253,8 @@ def test_stack_rejects_a_hidden_state_of_the_wrong_width(llm):
     bad = torch.zeros(1, hidden_size + 1, dtype=torch.bfloat16)
     empty = torch.zeros(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match="DecoderStack: bfloat16 hidden"):
-        stack.forward(bad, bad, bad, llm.engine.cache.target.kv, empty, empty, empty, empty, None, [])
+        stack.forward(hidden=bad, cos=bad, sin=bad, kv=llm.engine.cache.target.kv, out_cache_loc=empty, slots=empty,
+                      kv_lens=empty, token_starts=empty, custom_mask=None, capture_layers=[])
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
@@ -366,17 +367,19 @@ def test_draft_extend_in_one_call_rejects_bad_inputs(tmp_path):
     worker = llm.engine.spec_worker
     stack, states = worker.draft.fused_midlayer.stack, worker.states
     ids, rows, table = torch.zeros(2, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, 2, 2)
-    tables = (states.topk_tokens, states.topk_logprobs, states.hidden)
+    inputs = {"ids": ids, "features": rows, "feature_rows": None, "positions": ids, "rope_table": table, "logits_rows": ids,
+              "k": 2, "state_rows": ids, "state_tokens": states.topk_tokens, "state_logprobs": states.topk_logprobs,
+              "state_hidden": states.hidden, "kv": rows, "out_cache_loc": ids, "slots": rows, "kv_lens": ids,
+              "token_starts": ids, "custom_mask": None}
     with torch.inference_mode():
+        stack.set_draft_head(fc=rows, fc_out=4, embed=rows, norm_weight=rows[0], norm_eps=1e-6, lm_head=rows, vocab=4,
+                             lm_head_bias=None, d2t=ids, norm_output=False)
         with pytest.raises(RuntimeError, match="extend_proposals: int64 ids"):
-            stack.extend_proposals(ids.float(), rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
-                                   2, ids, *tables, rows, ids, rows, ids, ids, None, None)
+            stack.extend_proposals(**(inputs | {"ids": ids.float()}))
         with pytest.raises(RuntimeError, match="extend_proposals: contiguous state tables"):
-            stack.extend_proposals(ids, rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
-                                   3, ids, *tables, rows, ids, rows, ids, ids, None, None)
+            stack.extend_proposals(**(inputs | {"k": 3}))
         with pytest.raises(IndexError, match="out of range"):  # feature rows past the features
-            stack.extend_proposals(ids, rows, rows, 4, rows, table, ids, rows[0], 1e-6, rows, 4, None, ids, False, ids,
-                                   2, ids, *tables, rows, ids, rows, ids, ids, None, torch.tensor([0, 5]))
+            stack.extend_proposals(**(inputs | {"feature_rows": torch.tensor([0, 5])}))
 
 
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(5, 1, 6), (4, 2, 8), (3, 4, 10), (1, 3, 3)])

@@ -1,4 +1,5 @@
-"""eaglet's fused CPU kernels (``cpu_ops.cpp``), compiled on first use for this machine.
+"""eaglet's fused CPU kernels (``csrc/``: one file per op family, the tile-layout GEMM one per
+instruction set, ``registration.cpp`` naming every op), compiled on first use for this machine.
 
 The kernels run under ``torch.ops.eaglet``: ``rms_norm``, ``argmax_last_dim`` (greedy tokens),
 ``topk_logprobs`` (the draft's tree proposals), ``select_draft_tree`` and ``tree_attention_mask``
@@ -19,10 +20,10 @@ draft's midlayer) through those kernels in one call per forward, and a draft's w
 (``draft_chain``) or EAGLE-2 tree (``draft_tree``) in one call per round (``decoder_stack.py``).
 
 The build needs a C++ compiler and ninja; it takes about 15 s once and is cached under
-``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the source, the torch
-version and the CPU's feature flags. ``EAGLET_CPU_KERNELS=0`` turns the kernels off; where they
-cannot be built, ``available()`` is False (with one warning saying why) and callers use the
-PyTorch ops.
+``~/.cache/eaglet/kernels`` (``EAGLET_KERNEL_CACHE`` overrides), keyed by the sources (every file
+of ``csrc/``), the torch version and the CPU's feature flags. ``EAGLET_CPU_KERNELS=0`` turns the
+kernels off; where they cannot be built, ``available()`` is False (with one warning saying why)
+and callers use the PyTorch ops.
 """
 
 from __future__ import annotations
@@ -37,19 +38,28 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE_DIR = Path(__file__).with_name("csrc")
+
+
+def _sources() -> list[Path]:
+    """The translation units: every ``.cpp`` under ``csrc/`` (the headers come with them)."""
+    return sorted(SOURCE_DIR.glob("*.cpp"))
 
 
 def _build_dir() -> Path:
-    """The build cache of this source, torch version and CPU: the kernels are compiled with
+    """The build cache of these sources, torch version and CPU: the kernels are compiled with
     -march=native, so a build made on another CPU (a home directory shared between an AMX Xeon and
-    an AVX512-BF16 EPYC, say) may use instructions this one lacks, or miss ones it has."""
+    an AVX512-BF16 EPYC, say) may use instructions this one lacks, or miss ones it has. The key
+    covers every source and header under ``csrc/``, by name and content."""
     from eaglet.backends.cpu_caps import cpu_flags
 
     root = Path(os.environ.get("EAGLET_KERNEL_CACHE", Path.home() / ".cache" / "eaglet" / "kernels"))
     machine = " ".join(sorted(cpu_flags())).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + machine).hexdigest()[:16]
-    return root / key
+    digest = hashlib.sha256()
+    for path in sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(torch.__version__.encode() + machine)
+    return root / digest.hexdigest()[:16]
 
 
 @functools.cache
@@ -64,7 +74,7 @@ def _load() -> str | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="eaglet_cpu_ops",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in _sources()],
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool (same libgomp soname, one runtime).
             # -ffp-contract=off: a*b+c stays two roundings, as in the PyTorch ops the kernels mirror.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],

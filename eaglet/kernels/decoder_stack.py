@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from eaglet.spec.eagle_worker import DraftState
 
 
-def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, torch.Tensor], list[int]] | None:
-    """The layer's weights by the roles DecoderStack.add_layer takes, or None where one of its
-    matrices would not run on the tile-layout kernels."""
+def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
+    """The layer's weights by the roles DecoderStack.add_layer takes and its MLP sizes (mlp_inter,
+    expert_inter), or None where one of its matrices would not run on the tile-layout kernels."""
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(attn, MLAAttention):
         return None
@@ -65,18 +65,18 @@ def _layer_weights(layer: DecoderLayer | Eagle3DecoderLayer) -> tuple[dict[str, 
         if bias is not None:
             weights[name] = bias.detach()
     dense = mlp if isinstance(mlp, SwiGLU) else mlp.shared_experts if isinstance(mlp, MoE) else None
-    sizes = [0, 0]
+    sizes = {"mlp_inter": 0, "expert_inter": 0}
     if dense is not None:
         if dense.amx_weights is None:
             return None
         weights |= dict(zip(("mlp_w13", "mlp_w2"), dense.amx_weights))
-        sizes[0] = dense.down_proj.weight.shape[1]
+        sizes["mlp_inter"] = dense.down_proj.weight.shape[1]
     if isinstance(mlp, MoE):
         if mlp.experts.amx_weights is None:
             return None
         weights |= {"router_weight": mlp.gate.weight.detach(), "router_bias": mlp.gate.e_score_correction_bias.detach()}
         weights |= dict(zip(("experts_w13", "experts_w2"), mlp.experts.amx_weights))
-        sizes[1] = mlp.experts.intermediate_size
+        sizes["expert_inter"] = mlp.experts.intermediate_size
     elif not isinstance(mlp, SwiGLU):
         return None
     if any(w is None for w in weights.values()):
@@ -88,21 +88,27 @@ def _build(config: TextConfig, layers: list[nn.Module]) -> torch.ScriptObject | 
     """A DecoderStack of ``layers``; None if one of them would not run on the tile-layout kernels."""
     if not layers or any(layer.input_layernorm.weight.dtype != torch.bfloat16 for layer in layers):
         return None
-    ints = [config.hidden_size, config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
-            config.v_head_dim, config.kv_lora_rank, config.q_lora_rank or 0, config.num_experts_per_tok or 0,
-            config.n_group or 1, config.topk_group or 1, int(bool(config.norm_topk_prob)), int(config.rope_interleave)]
-    floats = [config.rms_norm_eps, layers[0].self_attn.scaling, float(config.routed_scaling_factor or 1.0)]
-    stack = torch.classes.eaglet.DecoderStack(ints, floats)
+    stack = torch.classes.eaglet.DecoderStack(
+        hidden_size=config.hidden_size, num_heads=config.num_attention_heads, qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, kv_lora_rank=config.kv_lora_rank,
+        q_lora_rank=config.q_lora_rank or 0, rope_interleave=bool(config.rope_interleave), rms_norm_eps=config.rms_norm_eps,
+        softmax_scale=layers[0].self_attn.scaling, num_experts_per_tok=config.num_experts_per_tok or 0,
+        n_group=config.n_group or 1, topk_group=config.topk_group or 1, norm_topk_prob=bool(config.norm_topk_prob),
+        routed_scaling_factor=float(config.routed_scaling_factor or 1.0),
+    )
     for layer in layers:
         entry = _layer_weights(layer)
         if entry is None:
             return None
-        stack.add_layer(*entry)
+        weights, sizes = entry
+        stack.add_layer(weights, **sizes)
     return stack
 
 
-def _absorbed_inputs(backend: MLAAttentionBackend, hidden: torch.Tensor, batch: ForwardBatch) -> tuple | None:
-    """The stack's attention inputs for this batch, or None where the layer-by-layer path must run."""
+def _absorbed_inputs(
+    backend: MLAAttentionBackend, hidden: torch.Tensor, batch: ForwardBatch
+) -> dict[str, torch.Tensor | None] | None:
+    """The stack's attention inputs for this batch by name, or None where the layer-by-layer path must run."""
     if (not isinstance(backend, CpuMLAAttention) or hidden.dtype != torch.bfloat16
             or batch.num_tokens > PADDED_MAX_ROWS or torch.is_grad_enabled()):
         return None
@@ -129,34 +135,28 @@ class FusedDecoderStack:
         """[hidden after the last layer, then after each of ``capture_layers`` (ascending)], or
         None where the layer-by-layer path must run."""
         inputs = _absorbed_inputs(backend, hidden, batch)
-        return self.stack.forward(hidden, cos, sin, *inputs, capture_layers) if inputs is not None else None
+        if inputs is None:
+            return None
+        return self.stack.forward(hidden=hidden, cos=cos, sin=sin, capture_layers=capture_layers, **inputs)
 
 
 @dataclass(frozen=True)
 class _DraftHead:
-    """What the drafting calls take from the draft besides its midlayer: fc's tile copy and shape,
-    the embeddings, the final norm, the lm_head's tile copy, vocabulary and bias, d2t."""
+    """What the Python side checks of the draft's head before a drafting call; the head itself (fc's
+    and the lm_head's tile copies, the embeddings, the final norm, d2t) is the stack's, set once
+    (``DecoderStack.set_draft_head``)."""
 
-    fc_tiles: torch.Tensor | None
-    fc_out: int
+    extends: bool  # fc has a tile copy and there is no fc_norm: extend_proposals can run
     fc_in: int
-    has_fc_norm: bool
-    embed: torch.Tensor
-    norm_weight: torch.Tensor
-    norm_eps: float
-    lm_head_tiles: torch.Tensor
-    vocab: int
-    lm_head_bias: torch.Tensor | None
-    d2t: torch.Tensor
-    norm_output: bool
 
 
 class FusedMidlayer:
     """An MLA EAGLE-3 draft's midlayer as a one-layer C++ stack (``Eagle3DecoderLayer.forward``'s kernels).
 
     Like the stack's own weights, the draft's head (fc, embeddings, final norm, lm_head, d2t) is
-    taken once, on first use: a draft round calls the stack twice, and gathering and checking
-    those each time cost about a third of a top-1 draft extend of the demo model.
+    handed to the stack once, on first use (``set_draft_head``): a draft round calls the stack
+    twice, and gathering, checking and passing those each time would cost a sizable share of a
+    small draft's extend.
     """
 
     def __init__(self, stack: torch.ScriptObject) -> None:
@@ -177,7 +177,9 @@ class FusedMidlayer:
     ) -> torch.Tensor | None:
         """The midlayer's output, or None where ``Eagle3DecoderLayer.forward`` must run."""
         inputs = _absorbed_inputs(backend, hidden, batch)
-        return self.stack.forward_eagle3(emb, hidden, cos, sin, *inputs) if inputs is not None else None
+        if inputs is None:
+            return None
+        return self.stack.forward_eagle3(emb=emb, hidden=hidden, cos=cos, sin=sin, **inputs)
 
     def extend_proposals(
         self, draft: Eagle3Draft, batch: ForwardBatch, backend: MLAAttentionBackend, features: torch.Tensor, k: int,
@@ -190,17 +192,17 @@ class FusedMidlayer:
         ``states``. False (nothing written) where Eagle3Draft.forward must run (image embeddings,
         fc_norm, a batch attended decompressed)."""
         head = self._head_of(draft)
-        if (head is None or head.fc_tiles is None or head.has_fc_norm or batch.input_embeds is not None
-                or features.dtype != torch.bfloat16 or features.shape[-1] != head.fc_in):
+        if (head is None or not head.extends or batch.input_embeds is not None or features.dtype != torch.bfloat16
+                or features.shape[-1] != head.fc_in):
             return False
         inputs = _absorbed_inputs(backend, features, batch)
         table = self._rope_table(draft, features, backend, max(batch.seq_lens_cpu), batch.num_tokens)
         if inputs is None or table is None:
             return False
         self.stack.extend_proposals(
-            batch.input_ids, features, head.fc_tiles, head.fc_out, head.embed, table, batch.positions, head.norm_weight,
-            head.norm_eps, head.lm_head_tiles, head.vocab, head.lm_head_bias, head.d2t, head.norm_output,
-            batch.logits_indices, k, rows, states.topk_tokens, states.topk_logprobs, states.hidden, *inputs, feature_rows,
+            ids=batch.input_ids, features=features, feature_rows=feature_rows, positions=batch.positions, rope_table=table,
+            logits_rows=batch.logits_indices, k=k, state_rows=rows, state_tokens=states.topk_tokens,
+            state_logprobs=states.topk_logprobs, state_hidden=states.hidden, **inputs,
         )
         return True
 
@@ -214,11 +216,13 @@ class FusedMidlayer:
         0's tokens, the drafted target ids; fewer steps once every request drafted one of its
         ``final_ids`` [B, S], -1 padded), or None where the per-step Eagle3Draft.forward must run
         (it would not take the tile-layout kernels throughout)."""
-        head = self._head_inputs(draft, states.hidden, backend, max(prefix) + steps, rows.shape[0])
-        if head is None:
+        table = self._round_rope_table(draft, states.hidden, backend, max(prefix) + steps, rows.shape[0])
+        if table is None:
             return None
-        return self.stack.draft_chain(roots, rows, states.topk_tokens, states.hidden, *head, backend.pool.kv,
-                                      backend.cache.req_to_token, prefix_t, steps, final_ids)
+        return self.stack.draft_chain(
+            roots=roots, state_rows=rows, prefix=prefix_t, state_tokens=states.topk_tokens, state_hidden=states.hidden,
+            rope_table=table, kv=backend.pool.kv, req_to_token=backend.cache.req_to_token, steps=steps, final_ids=final_ids,
+        )
 
     def draft_tree(
         self, draft: Eagle3Draft, roots: torch.Tensor, rows: torch.Tensor, states: DraftState, k: int,
@@ -228,28 +232,27 @@ class FusedMidlayer:
         of cache ``rows`` [B]: from each one's top-k tokens, scores and hidden in ``states``,
         ``steps - 1`` draft steps, then the best ``num_nodes - 1`` candidates under the ``roots``:
         (tokens, parents, depths) [B, num_nodes], or None where the per-step Eagle3Draft.forward must run."""
-        head = self._head_inputs(draft, states.hidden, backend, max(prefix) + steps, rows.shape[0] * k)
-        if head is None:
-            return None
-        return tuple(self.stack.draft_tree(roots, rows, states.topk_tokens, states.topk_logprobs, k, states.hidden, *head,
-                                           backend.pool.kv, backend.cache.req_to_token, prefix_t, steps, num_nodes))
-
-    def _head_inputs(
-        self, draft: Eagle3Draft, hidden: torch.Tensor, backend: MLAAttentionBackend, positions: int, rows: int
-    ) -> tuple | None:
-        """What the drafting calls take besides the stack (embeddings, rotary table of ``positions``,
-        final norm, lm_head tiles and d2t), or None where a draft step of ``rows`` tokens would not
-        run on the tile-layout kernels."""
-        head = self._head_of(draft)
-        table = self._rope_table(draft, hidden, backend, positions, rows) if head is not None else None
+        table = self._round_rope_table(draft, states.hidden, backend, max(prefix) + steps, rows.shape[0] * k)
         if table is None:
             return None
-        return (head.embed, table, head.norm_weight, head.norm_eps, head.lm_head_tiles, head.vocab, head.lm_head_bias,
-                head.d2t, head.norm_output)
+        return tuple(self.stack.draft_tree(
+            roots=roots, state_rows=rows, prefix=prefix_t, state_tokens=states.topk_tokens, state_logprobs=states.topk_logprobs,
+            state_hidden=states.hidden, rope_table=table, kv=backend.pool.kv, req_to_token=backend.cache.req_to_token,
+            steps=steps, k=k, num_nodes=num_nodes,
+        ))
+
+    def _round_rope_table(
+        self, draft: Eagle3Draft, hidden: torch.Tensor, backend: MLAAttentionBackend, positions: int, rows: int
+    ) -> torch.Tensor | None:
+        """The rotary table of ``positions`` for a drafting call, or None where the draft's head or a
+        draft step of ``rows`` tokens would not run on the tile-layout kernels."""
+        if self._head_of(draft) is None:
+            return None
+        return self._rope_table(draft, hidden, backend, positions, rows)
 
     def _head_of(self, draft: Eagle3Draft) -> _DraftHead | None:
-        """The draft's head, taken on first use; None where its lm_head or final norm would not run
-        on the tile-layout kernels."""
+        """The draft's head, handed to the stack on first use; None where its lm_head or final norm
+        would not run on the tile-layout kernels."""
         if not self._head_checked:
             self._head_checked = True
             lm_head, dtype = draft.lm_head_module(), torch.bfloat16
@@ -257,13 +260,14 @@ class FusedMidlayer:
             if (tiles is not None
                     and all(t.dtype == dtype for t in (embed, draft.fc.weight, draft.norm.weight))
                     and (lm_head.bias is None or lm_head.bias.dtype == dtype)):
-                self._head = _DraftHead(
-                    fc_tiles=amx_tiles(draft.fc.weight), fc_out=draft.fc.weight.shape[0], fc_in=draft.fc.in_features,
-                    has_fc_norm=draft.fc_norm is not None, embed=embed.detach(), norm_weight=draft.norm.weight.detach(),
-                    norm_eps=draft.norm.eps, lm_head_tiles=tiles, vocab=lm_head.weight.shape[0],
+                fc_tiles = amx_tiles(draft.fc.weight)
+                self.stack.set_draft_head(
+                    fc=fc_tiles, fc_out=draft.fc.weight.shape[0], embed=embed.detach(), norm_weight=draft.norm.weight.detach(),
+                    norm_eps=draft.norm.eps, lm_head=tiles, vocab=lm_head.weight.shape[0],
                     lm_head_bias=None if lm_head.bias is None else lm_head.bias.detach(), d2t=draft.d2t,
                     norm_output=draft.config.norm_output,
                 )
+                self._head = _DraftHead(extends=fc_tiles is not None and draft.fc_norm is None, fc_in=draft.fc.in_features)
         return self._head
 
     @staticmethod

@@ -5,6 +5,8 @@ into the pool in one call too (``mla_cache_write``)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from eaglet.backends.pytorch.mla_attention import MLALayer, TorchMLAAttention
@@ -12,6 +14,15 @@ from eaglet.runtime.forward_batch import ForwardBatch
 
 # Extends with at least this many cached keys per new token attend absorbed (see _attends_absorbed).
 ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN = 4
+
+
+class AttentionMetadata(NamedTuple):
+    """Where a batch's keys are, for mla_absorbed_attention (its struct of the same name)."""
+
+    slots: torch.Tensor  # [B, S] each request's cache slots by row index
+    kv_lens: torch.Tensor  # [B] its number of keys
+    token_starts: torch.Tensor  # [B + 1] its first token, then T
+    custom_mask: torch.Tensor | None  # [T, S] bool, the keys each token sees; None: causal
 
 
 class CpuMLAAttention(TorchMLAAttention):
@@ -31,23 +42,24 @@ class CpuMLAAttention(TorchMLAAttention):
     def _absorbed(
         self, layer: MLALayer, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        slots, kv_lens, token_starts, custom_mask = self._attention_metadata(batch)
+        # Positional, each argument named by what it is: keywords make every layer's op call slower.
+        metadata = self._attention_metadata(batch)
+        w_uk_packed, w_uv_packed = layer.amx_projections or (None, None)
         return torch.ops.eaglet.mla_absorbed_attention(
-            q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t, slots, kv_lens, token_starts,
-            custom_mask, layer.scaling, *layer.amx_projections,
+            q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t, metadata.slots, metadata.kv_lens,
+            metadata.token_starts, metadata.custom_mask, layer.scaling, w_uk_packed, w_uv_packed,
         )
 
-    def absorbed_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...] | None:
-        """What the decoder stack (the C++ decoder stack) takes for a batch this backend
-        attends absorbed: (the pool's cache [layers, slots, L + R], out_cache_loc, slots, kv_lens,
-        token_starts, custom_mask); None for a batch it attends decompressed."""
+    def absorbed_inputs(self, batch: ForwardBatch) -> dict[str, torch.Tensor | None] | None:
+        """What the C++ decoder stack takes for a batch this attention attends absorbed, by name:
+        the pool's cache kv [layers, slots, L + R], out_cache_loc, and the AttentionMetadata; None
+        for a batch it attends decompressed."""
         if not self._attends_absorbed(batch):
             return None
-        return (self.pool.kv, batch.out_cache_loc, *self._attention_metadata(batch))
+        return {"kv": self.pool.kv, "out_cache_loc": batch.out_cache_loc, **self._attention_metadata(batch)._asdict()}
 
-    def _attention_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
-        """mla_absorbed_attention's (slots [B, S], kv_lens, token_starts, custom_mask)."""
+    def _attention_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
+        """Where this batch's keys are (mla_absorbed_attention's metadata, the same for every layer)."""
         max_len = max(batch.seq_lens_cpu)
         slots = self._slots(batch, max_len).view(batch.batch_size, max_len)
-        return slots, batch.seq_lens, batch.token_starts(), batch.custom_mask
-
+        return AttentionMetadata(slots, batch.seq_lens, batch.token_starts(), batch.custom_mask)

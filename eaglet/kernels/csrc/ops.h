@@ -1,0 +1,97 @@
+// The kernels' entry points, by the file that holds each: what registration.cpp registers under
+// torch.ops.eaglet and the decoder stack calls directly. Fused CPU kernels for the decode path:
+// RMSNorm, rotary, DeepSeek-V3 routing, the latent cache write and absorbed MLA attention over the
+// paged cache; bfloat16 GEMMs, SwiGLU and the routed experts on weights in the tile layout
+// (gemm.h); greedy and top-k sampling; a speculative round's tree, verification and commit; the
+// cache's bookkeeping. Each replaces a chain of small PyTorch ops whose per-op dispatch (not
+// arithmetic) dominates a decode step of a small model.
+#pragma once
+
+#include "common.h"
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace eaglet {
+
+// norm.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// rope.cpp
+std::tuple<at::Tensor, at::Tensor> rope_query_key(const at::Tensor& q_pe, const at::Tensor& k_pe, const at::Tensor& cos,
+                                                  const at::Tensor& sin, bool interleave);
+
+// routing.cpp
+void top_indices(const float* values, int64_t n, int64_t k, int64_t* out);
+
+// DeepSeek-V3's routing rule: each token's top_k experts by sigmoid score plus bias, among the
+// topk_group best of n_group expert groups (each scored by its two best experts); their scores
+// normalised to sum 1 (norm_topk_prob) and multiplied by scaling.
+struct RouterConfig {
+  int64_t top_k, n_group, topk_group;
+  bool norm_topk_prob;
+  double scaling;
+};
+
+std::tuple<at::Tensor, at::Tensor> noaux_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                               const RouterConfig& router);
+
+// attention.cpp
+
+// What absorbed attention takes from a layer: W_UK [H, P, L] and W_UV^T [H, L, V] in float32, their
+// tile copies (both or neither: [H, ...] stacks of amx_pack_weight's W_UK^T and W_UV, for bfloat16
+// queries) and the softmax scale.
+struct AbsorbedLayer {
+  at::Tensor w_uk, w_uv_t;
+  c10::optional<at::Tensor> w_uk_packed, w_uv_packed;
+  double scale;
+};
+
+// Where a batch's keys are, the same for every layer: slots [B, S] (each request's cache slots by
+// row index), kv_lens [B] (its number of keys), token_starts [B + 1] (its first token, then T) and
+// custom_mask [T, S] bool (the keys each token sees; none: causal).
+struct AttentionMetadata {
+  at::Tensor slots, kv_lens, token_starts;
+  c10::optional<at::Tensor> custom_mask;
+};
+
+at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv,
+                                  const AbsorbedLayer& layer, const AttentionMetadata& metadata);
+
+// cache.cpp
+void mla_cache_write(at::Tensor kv, const at::Tensor& out_cache_loc, const at::Tensor& c_kv, const at::Tensor& k_pe);
+void copy_cache_slots(at::Tensor kv, const at::Tensor& src, const at::Tensor& dst);
+at::Tensor scratch_slots(const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& prefix, int64_t scratch);
+void write_block_entries(at::Tensor req_to_token, const at::Tensor& blocks, int64_t block_size);
+
+// gemm_pack.cpp
+std::string tile_backend();
+at::Tensor amx_pack_weight(const at::Tensor& weight);
+
+// linear.cpp
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                      bool widened = false);
+at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
+
+// moe.cpp
+at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t inter);
+at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, const at::Tensor& w2_all,
+                              const at::Tensor& weights, const at::Tensor& ids, int64_t inter);
+
+// sampling.cpp
+at::Tensor argmax_last_dim(const at::Tensor& logits, const c10::optional<at::Tensor>& offsets);
+std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k, const c10::optional<at::Tensor>& offsets);
+
+// spec_verify.cpp
+at::Tensor verify_tree_greedy(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& logits);
+at::Tensor verify_tree_greedy_ids(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& target_ids);
+std::vector<at::Tensor> commit_table(const at::Tensor& verify_table, const at::Tensor& tokens, const at::Tensor& slots,
+                                     const at::Tensor& prefix);
+
+// spec_tree.cpp
+std::vector<at::Tensor> select_draft_tree(const at::Tensor& tokens, const at::Tensor& scores, const at::Tensor& parents,
+                                          const at::Tensor& depths, const at::Tensor& roots, int64_t num_nodes);
+at::Tensor tree_attention_mask(const at::Tensor& parents, const at::Tensor& prefix, int64_t num_keys);
+
+}  // namespace eaglet
