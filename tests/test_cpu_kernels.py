@@ -13,14 +13,15 @@ from eaglet import kernels
 from eaglet.backends import cpu_backend, torch_backend
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
-from eaglet.layers.linear import linear, logits_argmax, logits_linear, pack_for_inference, pack_weight_for_amx
-from eaglet.layers.moe import NoAuxRouter, RoutedExperts, SwiGLU
+from eaglet.backends.cpu.weights import TileExperts, TileLinear, TileSwiGLU
+from eaglet.layers.moe import NoAuxRouter
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
 from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.runtime.kv_cache import KVCacheManager
 
 TORCH_LAYERS = torch_backend().layers
+TORCH_WEIGHTS = torch_backend().weights
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels not built: {kernels.unavailable_reason()}")
 
@@ -35,13 +36,13 @@ def test_turned_off_by_environment_variable():
 def test_builds_are_cached_per_cpu(monkeypatch, tmp_path):
     """-march=native builds: one made on an AMX Xeon must not load on an AVX512-BF16 EPYC sharing
     the cache directory, nor the other way round."""
-    import eaglet.backends.cpu_caps as cpu_caps
+    from eaglet.kernels import build, cpu_info
 
     monkeypatch.setenv("EAGLET_KERNEL_CACHE", str(tmp_path))
     dirs = {}
     for name, flags in {"xeon": {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "epyc": {"avx512f", "avx512_bf16"}}.items():
-        monkeypatch.setattr(cpu_caps, "cpu_flags", lambda flags=frozenset(flags): flags)
-        dirs[name] = kernels._build_dir()
+        monkeypatch.setattr(cpu_info, "cpu_flags", lambda flags=frozenset(flags): flags)
+        dirs[name] = build.build_dir()
     assert dirs["xeon"] != dirs["epyc"] and all(d.parent == tmp_path for d in dirs.values())
 
 
@@ -177,7 +178,7 @@ def test_router_rejects_a_top_k_beyond_the_kept_experts():
 
 # ---- bfloat16 GEMMs in AMX tile layout and routed experts---------------------------------------------
 
-tile_kernels = pytest.mark.skipif(kernels.tile_backend() is None, reason="CPU without AMX or AVX512-BF16")
+tile_kernels = pytest.mark.skipif(kernels.tile_backend() is None, reason="the kernels' build has no tile GEMM here")
 
 
 @tile_kernels
@@ -188,16 +189,17 @@ def test_amx_linear_matches_f_linear_and_gives_a_row_the_same_bits_at_any_row_co
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
     x = torch.randn(41, in_features, generator=g).bfloat16()
     expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    pack_weight_for_amx(weight)
+    tiled = cpu_backend().weights.linear(weight, b)
+    assert isinstance(tiled, TileLinear)
     with torch.inference_mode():
-        got = linear(x, weight, b)
+        got = tiled.apply(x)
         assert got.dtype == torch.bfloat16 and got.shape == (41, out_features)
         torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
         for rows in (1, 2, 15, 16, 17, 33):
-            assert torch.equal(linear(x[:rows], weight, b), got[:rows])
-        assert torch.equal(linear(x[40:41], weight, b)[0], got[40])
+            assert torch.equal(tiled.apply(x[:rows]), got[:rows])
+        assert torch.equal(tiled.apply(x[40:41])[0], got[40])
         # Logits: the same bfloat16 values, written as float32 by the kernel.
-        logits = logits_linear(x, weight, b)
+        logits = tiled.logits(x)
         assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
 
 
@@ -224,7 +226,7 @@ def test_fused_lm_head_argmax_is_the_argmax_of_the_logits(out_features, in_featu
         weight[out_features // 2] = weight[3]
         weight[-1] = weight[3]
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
-    pack_weight_for_amx(weight)
+    tiled = cpu_backend().weights.linear(weight, b)
     x = torch.randn(37, in_features, generator=g).bfloat16()
     x[1] = float("nan")
     x[4] = 0
@@ -234,9 +236,9 @@ def test_fused_lm_head_argmax_is_the_argmax_of_the_logits(out_features, in_featu
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            expected = logits_linear(x, weight, b).argmax(-1)
+            expected = tiled.logits(x).argmax(-1)
             for rows in (1, 16, 17, 37):
-                got = logits_argmax(x[:rows], weight, b)
+                got = tiled.argmax(x[:rows])
                 assert got.dtype == torch.long and torch.equal(got, expected[:rows])
     finally:
         torch.set_num_threads(previous)
@@ -246,38 +248,38 @@ def test_fused_lm_head_argmax_is_the_argmax_of_the_logits(out_features, in_featu
 
 
 @tile_kernels
-def test_fused_lm_head_argmax_needs_the_amx_copy():
+def test_fused_lm_head_argmax_needs_the_tile_copy():
     weight = torch.randn(64, 32).bfloat16()
     with torch.inference_mode():
-        assert logits_argmax(torch.randn(2, 32).bfloat16(), weight) is None  # not packed: the caller takes logits
+        # A PyTorch form of the weight, or another dtype: no argmax without logits, the caller takes them.
+        assert TORCH_WEIGHTS.linear(weight).argmax(torch.randn(2, 32).bfloat16()) is None
+        assert cpu_backend().weights.linear(weight).argmax(torch.randn(2, 32)) is None
     with pytest.raises(RuntimeError, match="not packed"):
         torch.ops.eaglet.amx_linear_argmax(torch.randn(2, 32).bfloat16(), weight, 64, None)
 
 
-def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExperts:
+def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bfloat16 w13 [E, 2I, H] and w2 [E, H, I]."""
     g = torch.Generator().manual_seed(seed)
-    experts = RoutedExperts(num_experts, hidden, inter)
-    experts.w13.data = (torch.randn(experts.w13.shape, generator=g) / hidden**0.5).bfloat16()
-    experts.w2.data = (torch.randn(experts.w2.shape, generator=g) / inter**0.5).bfloat16()
-    experts.process_weights_after_loading()
-    pack_for_inference(experts)
-    return experts
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5).bfloat16()
+    return w13, w2
 
 
 @tile_kernels
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden", "inter"), [(1, 2, 512, 256), (13, 3, 96, 40), (40, 1, 72, 48)])
 def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k, hidden, inter):
-    experts = _experts(6, hidden, inter, seed=num_tokens)
+    w13, w2 = _experts(6, hidden, inter, seed=num_tokens)
+    reference, tiled = TORCH_WEIGHTS.experts(w13, w2), cpu_backend().weights.experts(w13, w2)
+    assert isinstance(tiled, TileExperts)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(6, generator=g)[:top_k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, top_k, generator=g)
     with torch.inference_mode():
-        expected = experts(x, weights, ids)
-        kernels.use_cpu_kernels(experts)
-        assert experts.amx_weights is not None
-        got = experts(x, weights, ids)
-        alone = torch.cat([experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(num_tokens)])
+        expected = reference.apply(x, weights, ids)
+        got = tiled.apply(x, weights, ids)
+        alone = torch.cat([tiled.apply(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(num_tokens)])
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     # bfloat16 products rounded in other places: a few bfloat16 steps of the largest output apart
     scale = expected.float().abs().max()
@@ -289,18 +291,15 @@ def test_routed_experts_match_pytorch_and_are_row_independent(num_tokens, top_k,
 @pytest.mark.parametrize(("num_tokens", "hidden", "inter"), [(1, 512, 256), (23, 96, 40)])
 def test_swiglu_matches_pytorch_and_is_row_independent(num_tokens, hidden, inter):
     g = torch.Generator().manual_seed(num_tokens)
-    mlp = SwiGLU(hidden, inter)
-    for linear_layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        linear_layer.weight.data = (torch.randn(linear_layer.weight.shape, generator=g) / linear_layer.weight.shape[1] ** 0.5).bfloat16()
-    mlp.process_weights_after_loading()
-    pack_for_inference(mlp)
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+    down = (torch.randn(hidden, inter, generator=g) / inter**0.5).bfloat16()
+    reference, tiled = TORCH_WEIGHTS.swiglu(gate_up, down), cpu_backend().weights.swiglu(gate_up, down)
+    assert isinstance(tiled, TileSwiGLU)
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16()
     with torch.inference_mode():
-        expected = mlp(x)
-        kernels.use_cpu_kernels(mlp)
-        assert mlp.amx_weights is not None
-        got = mlp(x)
-        alone = torch.cat([mlp(x[i : i + 1]) for i in range(num_tokens)])
+        expected = reference.apply(x)
+        got = tiled.apply(x)
+        alone = torch.cat([tiled.apply(x[i : i + 1]) for i in range(num_tokens)])
     scale = expected.float().abs().max()
     torch.testing.assert_close(got.float() / scale, expected.float() / scale, rtol=0, atol=2e-2)
     assert torch.equal(got, alone)
@@ -308,10 +307,9 @@ def test_swiglu_matches_pytorch_and_is_row_independent(num_tokens, hidden, inter
 
 @tile_kernels
 def test_routed_experts_reject_an_expert_id_out_of_range():
-    experts = _experts(4, 64, 32, seed=0)
-    kernels.use_cpu_kernels(experts)
+    experts = cpu_backend().weights.experts(*_experts(4, 64, 32, seed=0))
     with torch.inference_mode(), pytest.raises(RuntimeError, match="expert id 4 out of range"):
-        experts(torch.randn(2, 64).bfloat16(), torch.ones(2, 1), torch.tensor([[1], [4]]))
+        experts.apply(torch.randn(2, 64).bfloat16(), torch.ones(2, 1), torch.tensor([[1], [4]]))
 
 
 # ---- absorbed MLA attention --------------------------------------------------------------------
@@ -324,7 +322,7 @@ DIMS = {"deepseek": (512, 64, 64, 64), "demo": (48, 24, 8, 24)}
 
 class _Layer:
     """The attributes of MLAAttention that attention reads, at the per-head sizes of ``dims``.
-    ``amx``: with the AMX copies of W_UK / W_UV that use_cpu_kernels makes for bfloat16 models
+    ``amx``: with the tile copies of W_UK / W_UV the CPU backend makes for bfloat16 models
     (the weights are then bfloat16 values, as those taken from a bfloat16 kv_b_proj are)."""
 
     def __init__(self, heads: int = 8, seed: int = 0, amx: bool = False, dims: str = "deepseek"):
@@ -335,11 +333,11 @@ class _Layer:
         self.w_uk = torch.randn(heads, nope, latent, generator=g) / nope**0.5
         self.w_uv_t = torch.randn(heads, latent, value, generator=g) / (20 * (latent / 512)**0.5)
         self.scaling = (nope + rope)**-0.5
-        self.amx_projections: tuple[torch.Tensor, ...] = ()
+        self.absorbed_projections: tuple[torch.Tensor, ...] = ()
         if amx:
             self.w_uk, self.w_uv_t = self.w_uk.bfloat16().float(), self.w_uv_t.bfloat16().float()
             pack = torch.ops.eaglet.amx_pack_weight
-            self.amx_projections = (torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uk]),
+            self.absorbed_projections = (torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uk]),
                                     torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uv_t]))
 
 

@@ -1,4 +1,5 @@
-"""The C++ decoder stack (eaglet/kernels/decoder_stack.py) against the layer-by-layer path it replaces.
+"""The CPU backend's decoder stack (eaglet/backends/cpu/decoder_stack.py) and the drafting on it
+(eaglet/spec/stack_drafter.py) against the layer-by-layer path and the per-step drafting they replace.
 
 Both run the same kernels, so every comparison is bit for bit: logits, captured residual streams
 and the latents written to the cache, for ragged decode, chain verify and tree verify batches of
@@ -11,10 +12,9 @@ import pytest
 import torch
 
 from eaglet import LLM, SamplingParams, kernels
-from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
-from eaglet.kernels.decoder_stack import FusedMidlayer
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
-from eaglet.spec.eagle_worker import DraftState
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.spec.stack_drafter import StackDrafter
 from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
 from eaglet.testing.echo_checkpoints import echo_draft, echo_text_target
 
@@ -23,7 +23,7 @@ def _has_tile_kernels() -> bool:
     return kernels.tile_backend() is not None
 
 
-pytestmark = pytest.mark.skipif(not _has_tile_kernels(), reason="the decoder stack needs the tile-layout kernels (AMX or AVX512-BF16)")
+pytestmark = pytest.mark.skipif(not _has_tile_kernels(), reason="the decoder stack needs the kernels' tile GEMM")
 
 CONFIGS = {
     "q-lora": {},
@@ -212,8 +212,6 @@ def test_greedy_generation_is_the_same_with_and_without_the_stack(llm):
 def test_greedy_decoding_is_the_same_with_and_without_the_fused_greedy_ids(tmp_path, monkeypatch, speculative):
     """Greedy plain decode steps and verify rounds take the fused lm_head + argmax (no logits); the
     tokens are those of the logits path, and a request wanting logprobs in the batch still gets logits."""
-    from eaglet.models import deepseek_v3
-
     target = echo_text_target(tmp_path / "target", alpha=0.6, dtype=torch.bfloat16)
     spec = {}
     if speculative:
@@ -224,20 +222,21 @@ def test_greedy_decoding_is_the_same_with_and_without_the_fused_greedy_ids(tmp_p
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     with_logprobs = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     fused_rows = []
-    fused = deepseek_v3.logits_argmax
+    lm_head = llm.engine.model.lm_head
+    fused = lm_head.argmax
 
-    def counted(x, weight, bias=None):
-        ids = fused(x, weight, bias)
+    def counted(x):
+        ids = fused(x)
         fused_rows.append(0 if ids is None else ids.numel())
         return ids
 
-    monkeypatch.setattr(deepseek_v3, "logits_argmax", counted)
+    monkeypatch.setattr(lm_head, "argmax", counted)
     got = [out.token_ids for out in llm.generate(prompts, greedy)]
     assert len(fused_rows) >= (2 if speculative else 9) and all(fused_rows)  # every decode step or verify round
     fused_rows.clear()
     mixed = [out.token_ids for out in llm.generate(prompts, [greedy, with_logprobs, greedy])]
     assert not fused_rows  # logprobs need the logits: no step of that batch asks for ids only
-    monkeypatch.setattr(deepseek_v3, "logits_argmax", lambda *args: None)
+    monkeypatch.setattr(lm_head, "argmax", lambda x: None)
     assert [out.token_ids for out in llm.generate(prompts, greedy)] == got == mixed
 
 
@@ -263,7 +262,7 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
     draft cache they really see) runs both ways from the same cache: the same logits, fed-back
     hidden and draft latents. (Top-1 extends in one call are the next test's; here they take
     Eagle3Draft.forward.)"""
-    monkeypatch.setattr(FusedMidlayer, "extend_proposals", lambda *args: False)
+    monkeypatch.setattr(StackDrafter, "extend", lambda self, *args, **kwargs: self.fallback.extend(*args, **kwargs))
     target = echo_text_target(tmp_path / "target", alpha=1.0, dtype=torch.bfloat16)
     draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
     steps, topk, tokens = shape
@@ -272,7 +271,7 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
               speculative_num_draft_tokens=tokens, speculative_adaptive=False)
     worker = llm.engine.spec_worker
     draft = worker.draft
-    assert draft.fused_midlayer is not None
+    assert draft.stack is not None
     layer_path = draft.forward
     fused_calls = []
 
@@ -281,11 +280,11 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
         fused = layer_path(batch, backend, hidden, hidden_is_target_features=hidden_is_target_features)
         fused_kv = worker.pool.kv.clone()
         worker.pool.kv.copy_(before)
-        midlayer, draft.fused_midlayer = draft.fused_midlayer, None
+        stack, draft.stack = draft.stack, None
         try:
             layered = layer_path(batch, backend, hidden, hidden_is_target_features=hidden_is_target_features)
         finally:
-            draft.fused_midlayer = midlayer
+            draft.stack = stack
         assert torch.equal(fused.logits, layered.logits)
         assert torch.equal(fused.hidden_out, layered.hidden_out)
         assert torch.equal(fused_kv, worker.pool.kv)
@@ -313,16 +312,17 @@ def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
               speculative_draft_model_path=str(draft_path), speculative_num_steps=3, speculative_eagle_topk=topk,
               speculative_num_draft_tokens=4)
     worker = llm.engine.spec_worker
-    draft, midlayer, states = worker.draft, worker.draft.fused_midlayer, worker.states
-    assert midlayer is not None
-    one_call = midlayer.extend_proposals
+    draft, stack, states = worker.draft, worker.draft.stack, worker.states
+    assert stack is not None and isinstance(worker.drafter, StackDrafter)
+    one_call = stack.extend_proposals
     extends, gathered = [], []
 
-    def both_ways(d, batch, backend, features, k, table, rows, feature_rows=None):
-        assert table is states and k == topk
+    def both_ways(batch, backend, **named):
+        assert named["state_tokens"] is states.topk_tokens and named["k"] == topk
+        features, feature_rows, rows = named["features"], named["feature_rows"], named["state_rows"]
         kv_before = worker.pool.kv.clone()
         states_before = [t.clone() for t in (states.topk_tokens, states.topk_logprobs, states.hidden)]
-        fused = one_call(d, batch, backend, features, k, table, rows, feature_rows)
+        fused = one_call(batch, backend, **named)
         extends.append((fused, max(batch.extend_seq_lens_cpu)))
         gathered.append(feature_rows is not None)
         if not fused:
@@ -344,7 +344,7 @@ def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
             assert torch.equal(got, want)
         return True
 
-    midlayer.extend_proposals = both_ways
+    stack.extend_proposals = both_ways
     # Rounds of the configured shape, each after two plain steps: catch-ups of 2 tokens.
     levels = itertools.cycle([llm.engine.spec_policy.max_level, 0, 0])
     llm.engine.spec_policy.choose = lambda *args, **kwargs: next(levels)
@@ -365,7 +365,7 @@ def test_draft_extend_in_one_call_rejects_bad_inputs(tmp_path):
               speculative_draft_model_path=str(draft_path), speculative_num_steps=3, speculative_eagle_topk=2,
               speculative_num_draft_tokens=4)
     worker = llm.engine.spec_worker
-    stack, states = worker.draft.fused_midlayer.stack, worker.states
+    stack, states = worker.draft.stack.stack, worker.states
     ids, rows, table = torch.zeros(2, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, 2, 2)
     inputs = {"ids": ids, "features": rows, "feature_rows": None, "positions": ids, "rope_table": table, "logits_rows": ids,
               "k": 2, "state_rows": ids, "state_tokens": states.topk_tokens, "state_logprobs": states.topk_logprobs,
@@ -395,32 +395,31 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
               speculative_draft_model_path=str(draft_path), speculative_num_steps=steps, speculative_eagle_topk=topk,
               speculative_num_draft_tokens=draft_tokens, speculative_adaptive=False)
     worker = llm.engine.spec_worker
-    draft, midlayer = worker.draft, worker.draft.fused_midlayer
-    assert midlayer is not None
+    draft, stack_drafter = worker.draft, worker.drafter
+    assert isinstance(stack_drafter, StackDrafter)
+    stack = draft.stack
     call = "draft_chain" if topk == 1 else "draft_tree"
-    draft_round = worker._draft_tree
-    fused_rounds = []
-
+    one_call = getattr(stack, call)
     calls = []
 
-    def one_call(*args):
-        calls.append(args)
-        drafted = getattr(type(midlayer), call)(midlayer, *args)
-        fused_rounds.append(drafted is not None)
-        return drafted
+    def recorded(attention, **named):
+        calls.append((attention, named))
+        return one_call(attention, **named)
+
+    setattr(stack, call, recorded)
+    draft_round = worker._draft_tree
 
     def three_ways(requests, round_rows, *shape):
         before = worker.pool.kv.clone()
         results = []
         for mode in ("one call", "per step", "layer path"):
             worker.pool.kv.copy_(before)
-            setattr(midlayer, call, one_call if mode == "one call" else (lambda *args: None))
-            draft.fused_midlayer = None if mode == "layer path" else midlayer
+            worker.drafter = stack_drafter if mode == "one call" else stack_drafter.fallback
+            draft.stack = None if mode == "layer path" else stack
             try:
                 results.append((draft_round(requests, round_rows, *shape), worker.pool.kv.clone()))
             finally:
-                delattr(midlayer, call)
-                draft.fused_midlayer = midlayer
+                worker.drafter, draft.stack = stack_drafter, stack
         (tree, kv), *others = results
         assert tree.tokens.shape == (len(requests), draft_tokens if topk > 1 else steps + 1)
         for other_tree, other_kv in others:
@@ -433,29 +432,26 @@ def test_drafting_in_one_call_matches_the_per_step_forwards(tmp_path, steps, top
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 5 * i))} for i in range(3)]
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 14 for out in outputs)
-    assert fused_rounds and all(fused_rounds)
+    assert calls  # every round's one-call drafting ran on the stack
+    attention, named = calls[-1]
+    before = worker.pool.kv.clone()
     if topk == 1:  # a token past the embeddings: a precise error before anything is written
-        d, roots, rows, states, *rest = calls[-1]
-        before = worker.pool.kv.clone()
-        bad_states = DraftState(torch.full_like(states.topk_tokens, 100_000), states.topk_logprobs, states.hidden)
+        bad = {"state_tokens": torch.full_like(named["state_tokens"], 100_000)}
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: token id 100000 out of range"):
-            midlayer.draft_chain(d, roots, rows, bad_states, *rest)
+            one_call(attention, **(named | bad))
         with torch.inference_mode(), pytest.raises(RuntimeError, match=r"draft_chain: int64 final_ids \[B, S\]"):
-            midlayer.draft_chain(d, roots, rows, states, *rest[:-1], torch.zeros(len(rows) + 1, 2, dtype=torch.long))
+            one_call(attention, **(named | {"final_ids": torch.zeros(len(named["state_rows"]) + 1, 2, dtype=torch.long)}))
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: req_to_token or rope_table too short"):
-            midlayer.draft_chain(d, roots, rows, states, rest[0], rest[1], rest[2] + 10**6, *rest[3:])
+            one_call(attention, **(named | {"prefix": named["prefix"] + 10**6}))
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_chain: a negative prefix"):
-            midlayer.draft_chain(d, roots, rows, states, rest[0], rest[1], rest[2] - 10**6, *rest[3:])
+            one_call(attention, **(named | {"prefix": named["prefix"] - 10**6}))
         with torch.inference_mode(), pytest.raises(IndexError, match="out of range"):  # a state row past the tables
-            midlayer.draft_chain(d, roots, rows + states.hidden.shape[0], states, *rest)
-        assert torch.equal(before, worker.pool.kv)
+            one_call(attention, **(named | {"state_rows": named["state_rows"] + named["state_hidden"].shape[0]}))
     else:  # a top-k wider than the state tables, a prefix past the table: precise errors, nothing written
-        d, roots, rows, states, k, backend, prefix, prefix_t, *rest = calls[-1]
-        before = worker.pool.kv.clone()
         with torch.inference_mode(), pytest.raises(RuntimeError, match=r"draft_tree: int64 state_tokens and float32 state_logprobs"):
-            midlayer.draft_tree(d, roots, rows, states, states.topk_tokens.shape[1] + 1, backend, prefix, prefix_t, *rest)
+            one_call(attention, **(named | {"k": named["state_tokens"].shape[1] + 1}))
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_tree: req_to_token or rope_table too short"):
-            midlayer.draft_tree(d, roots, rows, states, k, backend, prefix, prefix_t + 10**6, *rest)
+            one_call(attention, **(named | {"prefix": named["prefix"] + 10**6}))
         with torch.inference_mode(), pytest.raises(RuntimeError, match="draft_tree: a negative prefix"):
-            midlayer.draft_tree(d, roots, rows, states, k, backend, prefix, prefix_t - 10**6, *rest)
-        assert torch.equal(before, worker.pool.kv)
+            one_call(attention, **(named | {"prefix": named["prefix"] - 10**6}))
+    assert torch.equal(before, worker.pool.kv)

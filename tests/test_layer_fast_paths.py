@@ -4,27 +4,40 @@ float32 weights; and the "auto" dtype and packing policies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from eaglet.backends import Backend, torch_backend
 from eaglet.backends.cpu_caps import auto_dtype, has_native_bf16, packs_float32
-from eaglet.layers.linear import (
+from eaglet.backends.pytorch.weights import (
+    DENSE_MAX_TOKENS,
     EXACT_ROWS,
     PADDED_MAX_ROWS,
     SMALL_BATCH_ROWS,
-    linear,
-    pack_for_inference,
-    pack_weight,
+    DenseLinear,
+    OneDnnLinear,
+    TorchWeightMethods,
+    dense_linear,
     padded_rows,
     should_pack,
 )
-from eaglet.layers.moe import DENSE_MAX_TOKENS, MoE, RoutedExperts, SwiGLU
+from eaglet.layers.moe import MoE, RoutedExperts, SwiGLU
 from eaglet.models.config import parse_text_config
 from eaglet.models.registry import resolve_dtype
-
 from eaglet.testing.checkpoints import tiny_text_config
+
+TORCH = torch_backend()
+
+
+class DenseWeights(TorchWeightMethods):
+    """Every matrix as it is (no packed copies): the reference the packed forms must equal."""
+
+    @staticmethod
+    def _linear_class(dtype: torch.dtype) -> type[DenseLinear]:
+        return DenseLinear
 
 
 @pytest.mark.parametrize("rows", [1, 2, min(SMALL_BATCH_ROWS), max(SMALL_BATCH_ROWS), max(SMALL_BATCH_ROWS) + 1, 70])
@@ -34,10 +47,10 @@ def test_linear_matches_f_linear(rows, with_bias):
     x = torch.randn(rows, 48, generator=g)
     w = torch.randn(40, 48, generator=g)
     b = torch.randn(40, generator=g) if with_bias else None
-    out = linear(x, w, b)
+    out = dense_linear(x, w, b)
     assert out.shape == (rows, 40) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    bf16 = linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16())
+    bf16 = dense_linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16())
     torch.testing.assert_close(bf16, F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()))
 
 
@@ -49,7 +62,7 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
 
 
 def test_swiglu_fused_gate_up_matches_separate_projections():
-    mlp = SwiGLU(32, 24)
+    mlp = SwiGLU(32, 24, TORCH.weights)
     _randomize(mlp, 0)
     gate, up = mlp.gate_proj.weight.clone(), mlp.up_proj.weight.clone()
     mlp.process_weights_after_loading()
@@ -63,12 +76,12 @@ def test_swiglu_fused_gate_up_matches_separate_projections():
 
 def test_one_token_moe_path_matches_the_grouped_path():
     cfg = parse_text_config(tiny_text_config(hidden_size=32, moe_intermediate_size=16, num_experts_per_tok=3), "test")
-    moe = MoE(cfg, torch_backend().layers)
+    moe = MoE(cfg, TORCH)
     _randomize(moe, 1)
     for module in moe.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    moe.experts.w13_t = moe.experts.w2_t = None  # these experts are small enough for the dense path
+    moe.experts.method.w13_t = moe.experts.method.w2_t = None  # these experts are small enough for the dense path
     tokens = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
     batched = moe(tokens)  # four tokens: the sort / grouped-matmul path
     for i in range(4):
@@ -77,12 +90,12 @@ def test_one_token_moe_path_matches_the_grouped_path():
 
 @pytest.mark.parametrize("num_experts, hidden, inter, dense", [(4, 32, 16, True), (8, 256, 256, False)])
 def test_dense_moe_path_for_small_experts_matches_the_routed_path(num_experts, hidden, inter, dense):
-    experts = RoutedExperts(num_experts, hidden, inter)
+    experts = RoutedExperts(num_experts, hidden, inter, TORCH.weights)
     generator = torch.Generator().manual_seed(3)
     experts.w13.data = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.1
     experts.w2.data = torch.randn(num_experts, hidden, inter, generator=generator) * 0.1
     experts.process_weights_after_loading()
-    assert (experts.w13_t is not None) == dense  # only experts that together fit in cache
+    assert (experts.method.w13_t is not None) == dense  # only experts that together fit in cache
     for num_tokens in (1, 4, 16, DENSE_MAX_TOKENS + 1):
         x = torch.randn(num_tokens, hidden, generator=generator)
         expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:2] for _ in range(num_tokens)])
@@ -141,7 +154,7 @@ def test_auto_dtype_follows_native_bf16_support():
 
 
 def test_fused_projections_leave_training_gradients_on_the_named_parameters():
-    mlp = SwiGLU(16, 8)
+    mlp = SwiGLU(16, 8, TORCH.weights)
     _randomize(mlp, 3)
     mlp.process_weights_after_loading()
     for p in mlp.parameters():
@@ -165,10 +178,10 @@ def test_packed_bf16_weight_is_bit_identical_to_f_linear(rows, with_bias):
     w = torch.randn(80, 96, generator=g).bfloat16()
     b = torch.randn(80, generator=g).bfloat16() if with_bias else None
     expected = F.linear(x, w, b)
-    pack_weight(w)
+    packed = OneDnnLinear(w, b)
     with torch.no_grad():
-        assert torch.equal(linear(x, w, b), expected)
-        assert torch.equal(linear(x[:, None].expand(rows, 2, 96)[:, 0], w, b), expected)  # a strided x
+        assert torch.equal(packed.apply(x), expected)
+        assert torch.equal(packed.apply(x[:, None].expand(rows, 2, 96)[:, 0]), expected)  # a strided x
 
 
 def test_padded_row_counts_are_few_and_pad_at_most_a_quarter():
@@ -187,10 +200,10 @@ def test_packed_gemm_rows_do_not_depend_on_the_row_count_or_padding():
     x = torch.randn(130, 64, generator=g).bfloat16()
     w = torch.randn(48, 64, generator=g).bfloat16()
     expected = F.linear(x, w)
-    pack_weight(w)
+    packed = OneDnnLinear(w)
     with torch.no_grad():
         for rows in [*range(1, 40), 63, 64, 65, 100, 130]:
-            out = linear(x[:rows], w)
+            out = packed.apply(x[:rows])
             assert out.shape == (rows, 48)
             assert torch.equal(out, expected[:rows]), rows
 
@@ -211,26 +224,25 @@ def test_packed_float32_weight_matches_f_linear(out_features, in_features):
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
     expected = F.linear(x, w, b)
-    pack_weight(w)
+    method = OneDnnLinear(w, b)
     with torch.no_grad():
-        packed = linear(x, w, b)
+        packed = method.apply(x)
         torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-4)
         if packs_float32():
             for rows in [*range(1, 40), 63, 64, 65, 100]:
-                assert torch.equal(linear(x[:rows], w, b), packed[:rows]), rows
+                assert torch.equal(method.apply(x[:rows]), packed[:rows]), rows
 
 
 @needs_native_bf16
 def test_packed_weight_is_not_used_after_an_in_place_update_or_with_gradients():
     w = torch.randn(32, 16).bfloat16()
     x = torch.randn(4, 16).bfloat16()
-    pack_weight(w)
+    method = OneDnnLinear(w)
     with torch.no_grad():
         w.mul_(2)  # an optimizer step: the packed copy is stale now
-        assert torch.equal(linear(x, w), F.linear(x, w))
+        assert torch.equal(method.apply(x), F.linear(x, w))
     w2 = torch.randn(32, 16).bfloat16().requires_grad_()
-    pack_weight(w2)
-    out = linear(x, w2)  # grad mode: through the parameter itself, so the gradient reaches it
+    out = OneDnnLinear(w2).apply(x)  # grad mode: through the parameter itself, so the gradient reaches it
     out.sum().backward()
     assert w2.grad is not None and w2.grad.abs().sum() > 0
 
@@ -239,19 +251,22 @@ def test_packed_weight_is_not_used_after_an_in_place_update_or_with_gradients():
 def test_packed_moe_layer_equals_the_unpacked_one():
     config = parse_text_config(tiny_text_config(hidden_size=32, moe_intermediate_size=16), "test")
     torch.manual_seed(0)
-    reference = MoE(config, torch_backend().layers).bfloat16()
+    dense = dataclasses.replace(TORCH, weights=DenseWeights())
+    reference = MoE(config, dense).bfloat16()
     _randomize(reference, 5)
     reference.gate.float()  # the router runs in float32, as the loader builds it
     for module in reference.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    packed = MoE(config, torch_backend().layers).bfloat16()
+    packed = MoE(config, TORCH).bfloat16()
     packed.gate.float()
     packed.load_state_dict(reference.state_dict())
     for module in packed.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    assert pack_for_inference(packed) == 2 * config.n_routed_experts + 2  # experts' w13 / w2, shared gate_up / down
+    methods = [m for pair in packed.experts.method.per_expert for m in pair]
+    methods += [packed.shared_experts.method.gate_up, packed.shared_experts.method.down]
+    assert all(isinstance(m, OneDnnLinear) for m in methods)  # experts' w13 / w2, shared gate_up / down
     x = torch.randn(7, config.hidden_size).bfloat16()
     with torch.no_grad():
         assert torch.equal(packed(x), reference(x))
@@ -263,7 +278,7 @@ def test_router_and_dense_experts_give_a_token_the_same_bits_whatever_the_tokens
     for bit (one row through MKL rounds differently from several without the padding)."""
     config = parse_text_config(tiny_text_config(hidden_size=128, moe_intermediate_size=32), "test")
     torch.manual_seed(0)
-    moe = MoE(config, backend.layers)
+    moe = MoE(config, backend)
     _randomize(moe, 7)
     for module in moe.modules():
         if hasattr(module, "process_weights_after_loading"):
@@ -274,7 +289,7 @@ def test_router_and_dense_experts_give_a_token_the_same_bits_whatever_the_tokens
         for num_tokens in (3, 20):
             more_weights, more_ids = moe.gate(x[:num_tokens])
             assert torch.equal(more_weights[:1], weights) and torch.equal(more_ids[:1], ids)
-        assert moe.experts.w13_t is not None  # small experts: the dense path
+        assert moe.experts.method.w13_t is not None  # small experts: the dense path
         alone = moe.experts(x[:1], weights, ids)
         beside = moe.experts(x[:3], *moe.gate(x[:3]))
         assert torch.equal(beside[:1], alone)

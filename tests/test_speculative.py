@@ -9,7 +9,7 @@ from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, draft_for, echo_draft, 
 from eaglet import LLM, SamplingParams
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.executor.request import Request
-from eaglet.layers.linear import should_pack
+from eaglet.backends.pytorch.weights import should_pack
 
 
 def spec_llm(target, draft, steps, topk, tokens, **kwargs) -> LLM:

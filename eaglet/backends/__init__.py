@@ -12,15 +12,19 @@ import logging
 from eaglet import kernels
 from eaglet.backends.base import Backend
 from eaglet.backends.cpu.cache_ops import CpuCacheOps
+from eaglet.backends.cpu.decoder_stack import build_decoder_stack
 from eaglet.backends.cpu.layer_ops import CpuLayerOps
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.backends.cpu.sampling_ops import CpuSamplingOps
 from eaglet.backends.cpu.spec_ops import CpuSpecOps
+from eaglet.backends.cpu.weights import CpuWeightMethods
 from eaglet.backends.pytorch.cache_ops import TorchCacheOps
 from eaglet.backends.pytorch.layer_ops import TorchLayerOps
 from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
 from eaglet.backends.pytorch.sampling_ops import TorchSamplingOps
 from eaglet.backends.pytorch.spec_ops import TorchSpecOps
+from eaglet.backends.pytorch.weights import TorchWeightMethods
+from eaglet.backends.stack import DecoderStack, StackConfig, StackLayer
 
 __all__ = ["Backend", "cpu_backend", "select_backend", "torch_backend"]
 
@@ -33,20 +37,28 @@ def torch_backend(fallback_reason: str | None = None) -> Backend:
     sampling = TorchSamplingOps()
     return Backend(
         name="pytorch", layers=TorchLayerOps(), sampling=sampling, spec=TorchSpecOps(sampling), cache=TorchCacheOps(),
-        mla_attention=TorchMLAAttention, fallback_reason=fallback_reason,
+        weights=TorchWeightMethods(), mla_attention=TorchMLAAttention, decoder_stack=_no_stack,
+        fallback_reason=fallback_reason,
     )
+
+
+def _no_stack(config: StackConfig, layers: list[StackLayer]) -> DecoderStack | None:
+    return None
 
 
 @functools.cache
 def cpu_backend() -> Backend:
-    """eaglet's C++ kernels (they must be available: ``eaglet.kernels.available()``); PyTorch ops
-    where a kernel does not take an input (autograd, another dtype or device)."""
+    """eaglet's C++ kernels (they must be available: ``eaglet.kernels.available()``): bfloat16
+    matrices in tile layout where the build has a tile GEMM, the decoder stack; PyTorch ops where a
+    kernel does not take an input (autograd, another dtype or device)."""
     if not kernels.available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {kernels.unavailable_reason()}")
     torch_ops = torch_backend()
     return Backend(
         name="cpu", layers=CpuLayerOps(torch_ops.layers), sampling=CpuSamplingOps(torch_ops.sampling),
-        spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache), mla_attention=CpuMLAAttention,
+        spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache),
+        weights=CpuWeightMethods(torch_ops.weights, tiles=kernels.tile_backend() is not None),
+        mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack,
     )
 
 

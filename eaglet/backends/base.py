@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
+    from eaglet.backends.stack import DecoderStack, StackConfig, StackLayer
     from eaglet.runtime.kv_cache import CacheOps, KVCacheManager, LatentKVPool
 
 
@@ -89,6 +90,56 @@ class SpecOps(Protocol):
         ...
 
 
+class LinearMethod(Protocol):
+    """A [out, in] weight (and bias) in the form a backend multiplies: the weight-format seam. A
+    method owns its packed copy; the module keeps the checkpoint's parameters."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b, in x's dtype."""
+        ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``apply(x).float()`` (an lm_head's logits)."""
+        ...
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``logits(x).argmax(-1)`` without writing the logits, where the form can; None: take them."""
+        ...
+
+
+class SwiGLUMethod(Protocol):
+    """A SwiGLU MLP's matrices: down(silu(gate(x)) * up(x)), gate and up stacked as one [2I, H] weight."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class ExpertsMethod(Protocol):
+    """All routed experts of a MoE layer: w13 [E, 2I, H] (gate; up) and w2 [E, H, I]."""
+
+    def apply(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's experts (expert_ids [T, k]) combined with ``weights`` [T, k] float32."""
+        ...
+
+
+class WeightMethods(Protocol):
+    """The weight formats a backend multiplies in, chosen per matrix from its dtype and the CPU."""
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearMethod:
+        ...
+
+    def swiglu(self, gate_up: torch.Tensor, down: torch.Tensor) -> SwiGLUMethod:
+        ...
+
+    def experts(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertsMethod:
+        ...
+
+    def absorbed_projections(self, w_uk: torch.Tensor, w_uv_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """MLA's W_UK^T / W_UV per head ([H, P, L] / [H, L, V] float32) in the form the backend's
+        absorbed attention multiplies a model of ``dtype`` in; () where it takes the float32 ones."""
+        ...
+
+
 @dataclass(frozen=True)
 class Backend:
     """One engine's choice of kernels, handed to everything that computes."""
@@ -98,8 +149,12 @@ class Backend:
     sampling: SamplingOps
     spec: SpecOps
     cache: CacheOps
+    weights: WeightMethods
     # MLA attention over a latent pool of the cache (the target's when None).
     mla_attention: Callable[[KVCacheManager, LatentKVPool | None], MLAAttentionBackend]
+    # A model's decoder layers (or an EAGLE-3 draft's midlayer) as one C++ call per forward, where
+    # the backend has one and every layer's weights are in its forms; else None.
+    decoder_stack: Callable[[StackConfig, list[StackLayer]], DecoderStack | None]
     # Why the C++ kernels are not used, for the startup log, /metrics and the bench (None: they are).
     fallback_reason: str | None = None
 

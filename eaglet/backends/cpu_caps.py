@@ -2,39 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from pathlib import Path
-
 import torch
+
+from eaglet.kernels.cpu_info import cpu_flags, cpu_vendor
 
 # Instruction-set flags (as /proc/cpuinfo spells them) with which oneDNN runs bfloat16 GEMMs natively.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def _cpuinfo_field(name: str) -> str:
-    """The first CPU's ``name`` field of /proc/cpuinfo; empty where there is none (e.g. macOS)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
-    return ""
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    return frozenset(_cpuinfo_field("flags").split())
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor_id ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
-    return _cpuinfo_field("vendor_id")
-
-
 def packs_float32(vendor: str | None = None) -> bool:
-    """Whether float32 weights get a oneDNN-packed copy (``linear.pack_weight``): on AMD CPUs, where
+    """Whether float32 weights get a oneDNN-packed copy (``backends.pytorch.weights.OneDnnLinear``): on AMD CPUs, where
     MKL's float32 GEMMs are slow (EPYC Zen 4: the 32000 x 512 lm_head at 16 rows 10.1 ms column-major
     through F.linear, 3.6 ms packed; 1.4-1.8x on the 512-wide projections at 16-64 rows, medians
     in one process). On Intel CPUs MKL keeps them (not measured against oneDNN there)."""

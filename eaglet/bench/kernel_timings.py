@@ -18,14 +18,12 @@ from typing import Callable
 import torch
 
 from eaglet import kernels
-from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
-from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.backends import cpu_backend, torch_backend
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
-from eaglet.layers.linear import linear, pack_for_inference, pack_weight, pack_weight_for_amx
-from eaglet.layers.moe import RoutedExperts
 from eaglet.layers.norms import RMSNorm
+from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
+from eaglet.runtime.kv_cache import KVCacheManager
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
@@ -58,33 +56,23 @@ def bench_rms_norm(reps: int) -> None:
 def bench_linear(reps: int) -> None:
     for out_features, in_features in [(960, 512), (512, 256), (32000, 512), (2304, 2048)]:
         weight = (torch.randn(out_features, in_features) / in_features**0.5).bfloat16()
-        onednn = weight.clone()
-        pack_weight(onednn)
-        pack_weight_for_amx(weight)
+        reference, tiled = torch_backend().weights.linear(weight), cpu_backend().weights.linear(weight)
         for rows in [1, 16, 80, 512]:
             x = torch.randn(rows, in_features).bfloat16()
-            report(f"linear {out_features}x{in_features} rows {rows}", lambda: linear(x, onednn), lambda: linear(x, weight), reps)
+            report(f"linear {out_features}x{in_features} rows {rows}", lambda: reference.apply(x), lambda: tiled.apply(x), reps)
 
 
 def bench_experts(reps: int) -> None:
     for num_experts, hidden, inter in [(8, 512, 256), (8, 2048, 768)]:
-        experts = RoutedExperts(num_experts, hidden, inter)
-        experts.w13.data = (torch.randn(experts.w13.shape) / hidden**0.5).bfloat16()
-        experts.w2.data = (torch.randn(experts.w2.shape) / inter**0.5).bfloat16()
-        experts.process_weights_after_loading()
-        pack_for_inference(experts)
-        kernels.use_cpu_kernels(experts)
-        amx_weights = experts.amx_weights
+        w13 = (torch.randn(num_experts, 2 * inter, hidden) / hidden**0.5).bfloat16()
+        w2 = (torch.randn(num_experts, hidden, inter) / inter**0.5).bfloat16()
+        reference, tiled = torch_backend().weights.experts(w13, w2), cpu_backend().weights.experts(w13, w2)
         for tokens in [1, 4, 16, 80, 320]:
             x = torch.randn(tokens, hidden).bfloat16()
             ids = torch.stack([torch.randperm(num_experts)[:2] for _ in range(tokens)])
             weights = torch.rand(tokens, 2)
-
-            def run(fused: bool) -> torch.Tensor:
-                experts.amx_weights = amx_weights if fused else None
-                return experts.forward(x, weights, ids)
-
-            report(f"routed experts {num_experts}x{hidden}x{inter} T {tokens}", lambda: run(False), lambda: run(True), reps)
+            report(f"routed experts {num_experts}x{hidden}x{inter} T {tokens}", lambda: reference.apply(x, weights, ids),
+                   lambda: tiled.apply(x, weights, ids), reps)
 
 
 class _Layer:
@@ -94,7 +82,7 @@ class _Layer:
         self.w_uk = torch.randn(heads, 64, 512) / 8
         self.w_uv_t = torch.randn(heads, 512, 64) / 20
         self.scaling = 128**-0.5
-        self.amx_projections: tuple[torch.Tensor, ...] = ()
+        self.absorbed_projections: tuple[torch.Tensor, ...] = ()
 
 
 def bench_attention(reps: int) -> None:

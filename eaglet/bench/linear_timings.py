@@ -1,4 +1,4 @@
-"""One decode-sized GEMM three ways: F.linear, eaglet's linear() on a oneDNN-packed weight, float32.
+"""One decode-sized GEMM three ways: F.linear, the PyTorch backend's oneDNN-packed weight, float32.
 
     python -m eaglet.bench.linear_timings                    # the DeepSeek-V3 bench model's shapes
     python -m eaglet.bench.linear_timings --rows 1,16 --repeats 500
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from eaglet.layers.linear import linear, pack_weight, should_pack
+from eaglet.backends.pytorch.weights import OneDnnLinear, dense_linear, should_pack
 
 # [out, in] of the bench model (eaglet.bench.bench_checkpoints.DEEPSEEK_FULL): q_b, o / kv_b, fused
 # q_a + kv_a, expert gate+up, expert down, lm_head.
@@ -56,13 +56,12 @@ def main() -> None:
                 plain = time_us(lambda: F.linear(x, w), args.repeats)
                 packed_text, ratio_text = "-", "-"
                 if packable:
-                    packed_w = w.clone()
-                    pack_weight(packed_w)
-                    assert torch.equal(linear(x, packed_w), F.linear(x, w))
-                    packed = time_us(lambda: linear(x, packed_w), args.repeats)
+                    packed_w = OneDnnLinear(w.clone())
+                    assert torch.equal(packed_w.apply(x), F.linear(x, w))
+                    packed = time_us(lambda: packed_w.apply(x), args.repeats)
                     packed_text, ratio_text = f"{packed:.1f}", f"{plain / packed:.2f}"
                 wf, xf = w.float(), x.float()
-                fp32 = time_us(lambda: linear(xf, wf), args.repeats)
+                fp32 = time_us(lambda: dense_linear(xf, wf), args.repeats)
                 print(f"{out_f:>6}x{in_f:<5} {rows:>4} | {plain:>13.1f} {packed_text:>11} {ratio_text:>6} | {fp32:>8.1f}")
 
 

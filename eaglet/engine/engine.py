@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from eaglet import kernels
 from eaglet.backends import select_backend
 from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from eaglet.runtime.kv_cache import KVCacheManager
@@ -108,8 +107,6 @@ class Engine:
             dtype=dtype,
             ops=self.backend.cache,
         )
-        if self.backend.kernels:
-            kernels.use_cpu_kernels(self.model)
         self.runner = ModelRunner(self.model, self.model_config, self.cache, self.backend.mla_attention(self.cache, None))
         self.spec_worker: EagleWorker | None = None
         self.spec_metrics: SpecMetrics | None = None
@@ -119,8 +116,6 @@ class Engine:
                 self.spec_config.draft_model_path, self.model_config, dtype, self.backend, show_progress=config.show_progress
             )
             draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
-            if self.backend.kernels:
-                kernels.use_cpu_kernels(draft)
             self.spec_worker = EagleWorker(
                 self.runner, draft, draft_config, self.spec_config, self.cache, self.backend, frozenset(self.eos_token_ids)
             )

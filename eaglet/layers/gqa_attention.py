@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eaglet.backends.base import WeightMethods
 from eaglet.backends.pytorch.gqa_attention import TorchGQAAttention
 from eaglet.backends.pytorch.layer_ops import TorchLayerOps
-from eaglet.layers.linear import linear
+from eaglet.layers.linear import Linear
 from eaglet.layers.rotary import RopeConfig, RotaryEmbedding
 from eaglet.runtime.forward_batch import ForwardBatch
 
@@ -76,6 +77,7 @@ class GQAAttention(nn.Module):
         head_dim: int,
         bias: bool,
         rotary: LlamaRotaryEmbedding,
+        weights: WeightMethods,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -86,10 +88,10 @@ class GQAAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = head_dim**-0.5
         self.rotary = rotary
-        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(input_size, num_heads * head_dim, bias, weights)
+        self.k_proj = Linear(input_size, num_kv_heads * head_dim, bias, weights)
+        self.v_proj = Linear(input_size, num_kv_heads * head_dim, bias, weights)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias, weights)
 
     def forward(
         self,
@@ -100,13 +102,10 @@ class GQAAttention(nn.Module):
         attention: TorchGQAAttention,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(num_tokens, self.num_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = self.rotary(q, cos, sin)
         k = self.rotary(k, cos, sin)
         out = attention.forward(self, q, k, v, batch)  # [T, Hq, D]
-        return linear(out.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
-
-    def packable_weights(self) -> list[torch.Tensor]:
-        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

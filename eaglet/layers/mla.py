@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from eaglet.backends.base import LayerOps
-from eaglet.layers.linear import linear
+from eaglet.backends.base import Backend, LinearMethod
+from eaglet.backends.pytorch.weights import dense_linear
+from eaglet.layers.linear import Linear
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RopeConfig, RotaryEmbedding, softmax_scale
 
@@ -40,12 +41,15 @@ class MLAAttention(nn.Module):
 
     Weights keep the checkpoint names and [out, in] layout. ``input_size`` differs from hidden_size
     only for an EAGLE-3 MLA draft, whose q_a / kv_a projections read the 2*hidden concatenation.
+    With q_lora_rank, q_a_proj and kv_a_proj_with_mqa are multiplied as one matrix (``qkv_a``).
     """
 
     def __init__(
-        self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, ops: LayerOps, input_size: int | None = None
+        self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend, input_size: int | None = None
     ) -> None:
         super().__init__()
+        ops, weights = backend.layers, backend.weights
+        self.weights = weights
         input_size = input_size or config.hidden_size
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -58,28 +62,27 @@ class MLAAttention(nn.Module):
         heads_qk = self.num_heads * config.qk_head_dim
         self.q_lora_rank = config.q_lora_rank
         self.has_q_lora = config.q_lora_rank is not None
+        kv_a_out = config.kv_lora_rank + config.qk_rope_head_dim
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(input_size, heads_qk, bias=False)
+            self.q_proj = Linear(input_size, heads_qk, False, weights)
+            self.kv_a_proj_with_mqa = Linear(input_size, kv_a_out, config.attention_bias, weights)
         else:
+            # Parameter holders: qkv_a multiplies them as one matrix.
             self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
+            self.kv_a_proj_with_mqa = nn.Linear(input_size, kv_a_out, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, ops)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, heads_qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            input_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
-        )
+            self.q_b_proj = Linear(config.q_lora_rank, heads_qk, False, weights)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, ops)
-        self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
-        )
-        self.o_proj = nn.Linear(self.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
+        self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim), False, weights)
+        self.o_proj = Linear(self.num_heads * config.v_head_dim, config.hidden_size, config.attention_bias, weights)
         # Set by process_weights_after_loading.
         self.w_uk: torch.Tensor | None = None  # [H, P, L] float32
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V] float32
         self.qkv_a_weight: torch.Tensor | None = None  # [q_lora_rank + L + R, input_size]
         self.qkv_a_bias: torch.Tensor | None = None
-        # (W_UK^T, W_UV) per head in AMX tile layout, stacked [H, ...], for the fused attention
-        # kernel's projections (eaglet.kernels.use_cpu_kernels); () runs them in float32.
-        self.amx_projections: tuple[torch.Tensor, ...] = ()
+        self.qkv_a: LinearMethod | None = None
+        # W_UK / W_UV in the backend's form for its absorbed attention; () runs them in float32.
+        self.absorbed_projections: tuple[torch.Tensor, ...] = ()
 
     def process_weights_after_loading(self) -> None:
         """Derives the absorbed-form matrices and fuses the two down-projections that read x.
@@ -104,20 +107,12 @@ class MLAAttention(nn.Module):
                 self.q_a_proj.bias.data = fused_bias[:q_rows]
                 self.kv_a_proj_with_mqa.bias.data = fused_bias[q_rows:]
                 self.qkv_a_bias = fused_bias
-
-    def packable_weights(self) -> list[torch.Tensor]:
-        """The matrices inference multiplies by (kv_b_proj: the decompressed prefill form)."""
-        if not self.has_q_lora:
-            first = [self.q_proj.weight, self.kv_a_proj_with_mqa.weight]
-        elif self.qkv_a_weight is not None:
-            first = [self.qkv_a_weight, self.q_b_proj.weight]
-        else:
-            first = [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight, self.q_b_proj.weight]
-        return [*first, self.o_proj.weight, self.kv_b_proj.weight]
+            self.qkv_a = self.weights.linear(fused, self.qkv_a_bias)
+        self.absorbed_projections = self.weights.absorbed_projections(self.w_uk, self.w_uv_t, self.kv_b_proj.weight.dtype)
 
     def decompress(self, latent: torch.Tensor) -> torch.Tensor:
         """kv_b_proj of cached latents [S, L]: each token's keys' nope part and values, [S, H * (P + V)]."""
-        return linear(latent, self.kv_b_proj.weight)
+        return self.kv_b_proj(latent)
 
     def forward(
         self,
@@ -129,25 +124,23 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if not self.has_q_lora:
-            q = linear(x, self.q_proj.weight)
-            c_kv, k_pe = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
-                [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-            )
+            q = self.q_proj(x)
+            c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         else:
-            if self.qkv_a_weight is None or torch.is_grad_enabled():
+            if self.qkv_a is None or torch.is_grad_enabled():
                 # Not prepared for inference, or being trained: the fused copy carries no gradient.
-                q_a = linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
-                c_kv, k_pe = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
+                q_a = dense_linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
+                c_kv, k_pe = dense_linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
                     [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
                 )
             else:
-                q_a, c_kv, k_pe = linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
+                q_a, c_kv, k_pe = self.qkv_a.apply(x).split(
                     [self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
                 )
-            q = linear(self.q_a_layernorm(q_a), self.q_b_proj.weight)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = self.rotary.rotate_query_and_key(q_pe, k_pe, cos, sin)
         attn = attention.forward(self, q_nope, q_pe, c_kv, k_pe, batch)  # [T, H, V]
-        return linear(attn.reshape(num_tokens, self.num_heads * self.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(attn.reshape(num_tokens, self.num_heads * self.v_head_dim))

@@ -8,24 +8,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from eaglet.backends.base import Backend
 from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
-from eaglet.layers.linear import logits_argmax, logits_linear
+from eaglet.backends.stack import DecoderStack, StackConfig, StackLayer
+from eaglet.layers.linear import Linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
 from eaglet.models.config import ModelConfig, TextConfig, parse_text_config, refuse_quantization
 from eaglet.runtime.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from eaglet.kernels.decoder_stack import FusedDecoderStack
-
 
 def parse_deepseek_v3_config(raw: dict) -> ModelConfig:
     """A DeepSeek-V3 / Kimi-K2 config.json."""
@@ -42,16 +37,59 @@ class ForwardOutput:
     greedy_ids: torch.Tensor | None = None
 
 
+def stack_config(config: TextConfig, softmax_scale: float) -> StackConfig:
+    """The sizes a decoder stack of this config's layers shares."""
+    return StackConfig(
+        hidden_size=config.hidden_size, num_heads=config.num_attention_heads, qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, kv_lora_rank=config.kv_lora_rank,
+        q_lora_rank=config.q_lora_rank or 0, rope_interleave=bool(config.rope_interleave), rms_norm_eps=config.rms_norm_eps,
+        softmax_scale=softmax_scale, num_experts_per_tok=config.num_experts_per_tok or 0, n_group=config.n_group or 1,
+        topk_group=config.topk_group or 1, norm_topk_prob=bool(config.norm_topk_prob),
+        routed_scaling_factor=float(config.routed_scaling_factor or 1.0),
+    )
+
+
+def stack_layer(
+    attn: MLAAttention, mlp: nn.Module, input_norm: RMSNorm, post_norm: RMSNorm, hidden_norm: RMSNorm | None = None
+) -> StackLayer | None:
+    """A prepared MLA layer's weights by role for a decoder stack (None before loading)."""
+    if attn.w_uk is None:
+        return None
+    if attn.has_q_lora:
+        first, first_bias = attn.qkv_a, attn.qkv_a_bias
+        q_proj, q_a_norm = attn.q_b_proj.method, attn.q_a_layernorm.weight
+    else:
+        first, first_bias = attn.kv_a_proj_with_mqa.method, attn.kv_a_proj_with_mqa.bias
+        q_proj, q_a_norm = attn.q_proj.method, None
+    dense = mlp if isinstance(mlp, SwiGLU) else mlp.shared_experts if isinstance(mlp, MoE) else None
+    moe = mlp if isinstance(mlp, MoE) else None
+    if first is None or q_proj is None or attn.o_proj.method is None or (dense is not None and dense.method is None):
+        return None
+    return StackLayer(
+        input_norm=input_norm.weight, post_norm=post_norm.weight, kv_a_norm=attn.kv_a_layernorm.weight, first=first,
+        first_bias=first_bias, q_proj=q_proj, q_a_norm=q_a_norm, o_proj=attn.o_proj.method, o_bias=attn.o_proj.bias,
+        w_uk=attn.w_uk, w_uv_t=attn.w_uv_t, absorbed_projections=attn.absorbed_projections,
+        mlp=None if dense is None else dense.method, mlp_inter=0 if dense is None else dense.down_proj.weight.shape[1],
+        router_weight=None if moe is None else moe.gate.weight, router_bias=None if moe is None else moe.gate.e_score_correction_bias,
+        experts=None if moe is None else moe.experts.method, expert_inter=0 if moe is None else moe.experts.intermediate_size,
+        hidden_norm=None if hidden_norm is None else hidden_norm.weight,
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend) -> None:
         super().__init__()
         ops = backend.layers
-        self.self_attn = MLAAttention(config, layer_id, rotary, ops)
+        self.self_attn = MLAAttention(config, layer_id, rotary, backend)
         self.mlp: nn.Module = (
-            MoE(config, ops) if config.is_moe_layer(layer_id) else SwiGLU(config.hidden_size, config.intermediate_size)
+            MoE(config, backend) if config.is_moe_layer(layer_id)
+            else SwiGLU(config.hidden_size, config.intermediate_size, backend.weights)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def stack_layer(self) -> StackLayer | None:
+        return stack_layer(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
 
     def forward(
         self,
@@ -73,8 +111,16 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.layers)
-        # All layers in one kernel call for the batches it takes (eaglet.kernels.use_cpu_kernels).
-        self.decoder_stack: FusedDecoderStack | None = None
+        self.backend = backend
+        # All layers in one call for the batches it takes, where the backend has a decoder stack.
+        self.decoder_stack: DecoderStack | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """After the layers prepared their weights (the loader goes children first)."""
+        layers = [layer.stack_layer() for layer in self.layers]
+        if all(layers):
+            scale = self.layers[0].self_attn.scaling
+            self.decoder_stack = self.backend.decoder_stack(stack_config(self.config, scale), layers)
 
     def forward(self, batch: ForwardBatch, attention: MLAAttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, D], captured residual streams or None)."""
@@ -105,7 +151,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV3Model(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.weights)
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, backend: Backend) -> DeepseekV3ForCausalLM:
@@ -121,13 +167,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         # The vocabulary projection is the largest matrix read each decode step. A float32 CPU GEMM
-        # reads it about twice as fast stored column-major (benchmarks/bench_decode.py); a bfloat16
-        # one is up to 2.7x slower that way, so bfloat16 keeps the row-major layout. Same values.
+        # reads it about twice as fast stored column-major (eaglet.bench.decode_vs_transformers); a
+        # bfloat16 one is up to 2.7x slower that way, so bfloat16 keeps the row-major layout. Same
+        # values; the lm_head's method is made again from the new layout.
         if self.lm_head.weight.dtype == torch.float32:
             self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
-
-    def packable_weights(self) -> list[torch.Tensor]:
-        return [self.lm_head.weight]
+            self.lm_head.process_weights_after_loading()
 
     def ignored_checkpoint_tensors(self, prefix: str = "") -> tuple[re.Pattern, ...]:
         """Multi-token-prediction layers (ids >= num_hidden_layers) that published checkpoints append."""
@@ -144,7 +189,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         hidden, aux = self.model(batch, attention)
         rows = hidden[batch.logits_indices]
         if batch.greedy_ids_only:
-            ids = logits_argmax(rows, self.lm_head.weight)
+            ids = self.lm_head.argmax(rows)
             if ids is not None:
                 return ForwardOutput(logits=None, aux_hidden_states=aux, greedy_ids=ids)
-        return ForwardOutput(logits=logits_linear(rows, self.lm_head.weight), aux_hidden_states=aux)
+        return ForwardOutput(logits=self.lm_head.logits(rows), aux_hidden_states=aux)

@@ -29,30 +29,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.runtime.kv_cache import GQAKVPool, KVCacheManager, LatentKVPool
-from eaglet.errors import CheckpointError, ConfigError
 from eaglet.backends.base import Backend
 from eaglet.backends.pytorch.gqa_attention import TorchGQAAttention
 from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
+from eaglet.backends.stack import DecoderStack, StackLayer
+from eaglet.errors import CheckpointError, ConfigError
 from eaglet.layers.gqa_attention import GQAAttention, LlamaRotaryEmbedding
-from eaglet.layers.linear import linear, logits_linear
+from eaglet.layers.linear import Linear
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
 from eaglet.models.config import ModelConfig, read_config_json
+from eaglet.models.deepseek_v3 import stack_config, stack_layer
 from eaglet.models.eagle3_config import Eagle3Config
 from eaglet.models.loader import checkpoint_files, load_weights, skip_init
-
-if TYPE_CHECKING:
-    from eaglet.kernels.decoder_stack import FusedMidlayer
-
+from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.runtime.kv_cache import GQAKVPool, KVCacheManager, LatentKVPool
 
 @dataclass
 class DraftOutput:
@@ -71,7 +69,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
         self.self_attn: nn.Module
         if config.kind == "mla":
-            self.self_attn = MLAAttention(config.mla, 0, rotary, ops, input_size=2 * hidden)
+            self.self_attn = MLAAttention(config.mla, 0, rotary, backend, input_size=2 * hidden)
         else:
             attn = config.llama
             self.self_attn = GQAAttention(
@@ -83,8 +81,15 @@ class Eagle3DecoderLayer(nn.Module):
                 head_dim=attn.head_dim,
                 bias=attn.bias,
                 rotary=rotary,
+                weights=backend.weights,
             )
-        self.mlp = SwiGLU(hidden, config.intermediate_size)
+        self.mlp = SwiGLU(hidden, config.intermediate_size, backend.weights)
+
+    def stack_layer(self) -> StackLayer | None:
+        """An MLA midlayer's weights by role for a one-layer decoder stack (a GQA one has none)."""
+        if not isinstance(self.self_attn, MLAAttention):
+            return None
+        return stack_layer(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm, self.hidden_norm)
 
     def forward(
         self,
@@ -143,7 +148,7 @@ class Eagle3Draft(nn.Module):
             self.rotary = LlamaRotaryEmbedding(config.llama.head_dim, config.llama.rope)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embed_tokens else None
         num_aux = len(config.aux_layer_ids)
-        self.fc = nn.Linear(num_aux * config.target_hidden_size, hidden, bias=False)
+        self.fc = Linear(num_aux * config.target_hidden_size, hidden, False, backend.weights)
         self.fc_norm = (
             nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps, backend.layers) for _ in range(num_aux))
             if config.fc_norm
@@ -151,12 +156,13 @@ class Eagle3Draft(nn.Module):
         )
         self.midlayer = Eagle3DecoderLayer(config, self.rotary, backend)
         self.norm = RMSNorm(hidden, config.rms_norm_eps, backend.layers)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if own_lm_head else None
+        self.lm_head = Linear(hidden, config.draft_vocab_size, False, backend.weights) if own_lm_head else None
         # target_id = draft_id + d2t[draft_id]; t2d[target_id]: whether the draft vocabulary holds it.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
-        # The midlayer in one kernel call for the batches it takes (eaglet.kernels.use_cpu_kernels).
-        self.fused_midlayer: FusedMidlayer | None = None
+        # The midlayer in one call for the batches it takes (and the round's drafting, eaglet.spec),
+        # where the backend has a decoder stack.
+        self.stack: DecoderStack | None = None
 
     # ---- loading -------------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str:
@@ -189,12 +195,12 @@ class Eagle3Draft(nn.Module):
             self.t2d[target_ids] = True
         elif int(self.t2d.sum()) != draft_vocab or not bool(self.t2d[target_ids].all()):
             raise CheckpointError("t2d does not mark exactly the target ids that d2t maps the draft vocabulary to")
+        layer = self.midlayer.stack_layer()
+        if layer is not None:
+            config = stack_config(self.config.mla, self.midlayer.self_attn.scaling)
+            self.stack = self.backend.decoder_stack(config, [layer])
 
-    def packable_weights(self) -> list[torch.Tensor]:
-        """fc and an own lm_head (a shared one is the target's, packed with it)."""
-        return [self.fc.weight] + ([self.lm_head.weight] if self.lm_head is not None else [])
-
-    def share_target_weights(self, embed_tokens: nn.Embedding, lm_head: nn.Linear | None) -> None:
+    def share_target_weights(self, embed_tokens: nn.Embedding, lm_head: Linear | None) -> None:
         """Uses the target's embed_tokens when the checkpoint has none, and its lm_head when needed."""
         expected = (self.config.vocab_size, self.config.hidden_size)
         if not self.own_embed_tokens:
@@ -221,7 +227,7 @@ class Eagle3Draft(nn.Module):
     def embed_weight(self) -> torch.Tensor:
         return self._module("embed_tokens").weight
 
-    def lm_head_module(self) -> nn.Linear:
+    def lm_head_module(self) -> Linear:
         return self._module("lm_head")
 
     def _module(self, name: str) -> nn.Module:
@@ -275,7 +281,7 @@ class Eagle3Draft(nn.Module):
             if self.fc_norm is not None:
                 chunks = hidden.chunk(len(self.fc_norm), dim=-1)
                 hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
-            hidden = linear(hidden, self.fc.weight)
+            hidden = self.fc(hidden)
         elif hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"fed-back hidden is {hidden.shape[-1]} wide, the draft's hidden_size is {self.config.hidden_size}"
@@ -283,12 +289,11 @@ class Eagle3Draft(nn.Module):
         emb = batch.input_embeds if batch.input_embeds is not None else self.embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin_as(batch.positions, self.fc.weight.dtype)
         emb, hidden = emb.to(hidden.dtype), hidden.to(self.fc.weight.dtype)
-        fused = self.fused_midlayer.forward(emb, hidden, cos, sin, batch, attention) if self.fused_midlayer is not None else None
-        hidden = fused if fused is not None else self.midlayer(emb, hidden, cos, sin, batch, attention)
+        stacked = self.stack.forward_eagle3(emb, hidden, cos, sin, batch, attention) if self.stack is not None else None
+        hidden = stacked if stacked is not None else self.midlayer(emb, hidden, cos, sin, batch, attention)
         rows = hidden[batch.logits_indices]
         normed = self.norm(rows)
-        lm_head = self.lm_head_module()
-        logits = logits_linear(normed, lm_head.weight, lm_head.bias)
+        logits = self.lm_head_module().logits(normed)
         return DraftOutput(logits=logits, hidden_out=normed if self.config.norm_output else rows)
 
 

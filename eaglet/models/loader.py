@@ -19,7 +19,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eaglet.errors import CheckpointError
-from eaglet.layers.linear import pack_for_inference
 
 # Tensors that published checkpoints carry but inference does not use.
 IGNORED_TENSORS = (
@@ -156,10 +155,11 @@ def load_weights(
                     progress.update(1)
     progress.close()
     _tie(model)
-    for module in model.modules():
+    # Children first: a module that prepares itself from its children's weight methods (a decoder
+    # stack) finds them made.
+    for module in reversed(list(model.modules())):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    pack_for_inference(model)
 
 
 def _tie(model: nn.Module) -> None:

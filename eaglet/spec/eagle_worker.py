@@ -22,7 +22,6 @@ bookkeeping.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -43,32 +42,11 @@ from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
-from eaglet.spec.tree import CandidateRecorder, DraftTree, tree_attention_mask
+from eaglet.spec.drafter import Drafter, TorchDrafter
+from eaglet.spec.round_state import DraftState, RoundRows
+from eaglet.spec.stack_drafter import StackDrafter
+from eaglet.spec.tree import DraftTree, tree_attention_mask
 from eaglet.spec.verify import VerifyResult, verify_greedy, verify_greedy_ids, verify_sampling
-
-
-@dataclass
-class DraftState:
-    """What the draft extend leaves for requests' next rounds. The worker's table (``states``)
-    holds one row per request row (req_pool_idx) of the cache; ``draft_state(req)`` copies out one."""
-
-    topk_tokens: torch.Tensor  # [R, k] target token ids proposed for the position after the root
-    topk_logprobs: torch.Tensor  # [R, k] float32, for tree scores (not written with top-1 drafting)
-    hidden: torch.Tensor  # [R, H] draft hidden at the root's draft slot, fed back at step 1
-
-
-@dataclass
-class RoundRows:
-    """A round's view of its requests' cache rows."""
-
-    rows: list[int]  # req_pool_idx per request
-    prefix: list[int]  # committed tokens per request (row index of the root's slot)
-    rows_t: torch.Tensor  # [B] rows, as a tensor
-    prefix_t: torch.Tensor  # [B] prefix, as a tensor
-    roots: torch.Tensor  # [B] each request's root token (its last output token, not yet cached)
-    slots: torch.Tensor  # [B, scratch_len] cache slots of row indices prefix .. prefix + scratch_len - 1
-    # Every request greedy, without logits processing or logprobs: the round skips their handling.
-    greedy_only: bool
 
 
 @dataclass
@@ -111,6 +89,11 @@ class EagleWorker:
         self.timer = PhaseTimer()
         # Time the model forwards; decode() books the rest of a round as bookkeeping.
         self._draft_clock, self._verify_clock = self.timer.clock("draft"), self.timer.clock("verify")
+        torch_drafter = TorchDrafter(draft, self.draft_attention, self.states, spec.eagle_topk, backend.spec, self._draft_clock)
+        self.drafter: Drafter = (
+            StackDrafter(draft, self.draft_attention, self.states, spec.eagle_topk, torch_drafter)
+            if draft.stack is not None else torch_drafter
+        )
         self.catch_up_seconds = 0.0  # of the last round: the draft extend over positions decoded plain
         self._chain_index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (B, n) -> parents, depths
         self._aranges: dict[int, torch.Tensor] = {}
@@ -176,27 +159,7 @@ class EagleWorker:
             mode=ForwardMode.EXTEND,
             input_embeds=embeds,
         )
-        self._extend_draft(batch, features, target_batch.req_pool_indices, timed=False)
-
-    def _extend_draft(
-        self, batch: ForwardBatch, features: torch.Tensor, rows: torch.Tensor, timed: bool = True,
-        feature_rows: torch.Tensor | None = None,
-    ) -> None:
-        """The draft extend over ``batch`` from the target's ``features`` (token t's:
-        ``features[feature_rows[t]]`` where given), and the states of the requests' ``rows`` from
-        its last token each; ``timed``: inside a round (the draft clock). Where the draft runs on
-        the kernels, one call does both, gather included."""
-        with self._draft_clock if timed else contextlib.nullcontext():
-            fused = self.draft.fused_midlayer
-            k = self.spec.eagle_topk
-            if fused is not None and fused.extend_proposals(
-                self.draft, batch, self.draft_attention, features, k, self.states, rows, feature_rows
-            ):
-                return
-            if feature_rows is not None:
-                features = features.index_select(0, feature_rows)
-            out = self.draft(batch, self.draft_attention, features, hidden_is_target_features=True)
-        self._set_draft_states(rows, out.logits, out.hidden_out)
+        self.drafter.extend(batch, features, target_batch.req_pool_indices, timed=False)
 
     def _arange(self, n: int) -> torch.Tensor:
         """torch.arange(n), made once per n (rounds of one shape ask for the same ones; read-only)."""
@@ -208,19 +171,6 @@ class EagleWorker:
         """A copy of the request's state (its row of ``states``)."""
         row = req.req_pool_idx
         return DraftState(*(t[row].clone() for t in (self.states.topk_tokens, self.states.topk_logprobs, self.states.hidden)))
-
-    def _set_draft_states(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Each request's proposals for its next round from the draft's logits at its root. Top-1
-        drafting needs only the argmax, so it skips the log_softmax over the draft vocabulary
-        (the argmax of the logits is that of their log-probabilities)."""
-        k = self.spec.eagle_topk
-        if k == 1:
-            self.states.topk_tokens[rows, 0] = self.draft.greedy_target_ids(logits)
-        else:
-            logprobs, top_ids = self.draft.top_k_target_ids(logits, k)
-            self.states.topk_tokens[rows] = top_ids
-            self.states.topk_logprobs[rows] = logprobs.float()
-        self.states.hidden[rows] = hidden
 
     # ---- plain decoding while speculation is off ------------------------------------------------
     @torch.inference_mode()
@@ -260,7 +210,7 @@ class EagleWorker:
             mode=ForwardMode.EXTEND,
         )
         features = torch.stack([f for r in lagging for f in r.draft_pending_features])
-        self._extend_draft(batch, features, batch.req_pool_indices)
+        self.drafter.extend(batch, features, batch.req_pool_indices)
         for req in lagging:
             req.draft_pending_features.clear()
 
@@ -312,53 +262,7 @@ class EagleWorker:
     ) -> DraftTree:
         if k == 1:
             return self._draft_chain(requests, round_rows, min(steps, num_draft_tokens - 1))
-        batch_size = len(requests)
-        fused = self.draft.fused_midlayer
-        if fused is not None:  # row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries
-            with self._draft_clock:
-                drafted = fused.draft_tree(
-                    self.draft, round_rows.roots, round_rows.rows_t, self.states, k, self.draft_attention, round_rows.prefix,
-                    round_rows.prefix_t, steps, num_draft_tokens,
-                )
-            if drafted is not None:
-                return DraftTree(*drafted)
-        # index_select: a few us less than indexing with a tensor, each.
-        frontier_tokens = self.states.topk_tokens[:, :k].index_select(0, round_rows.rows_t)  # [B, k]
-        frontier_scores = self.states.topk_logprobs[:, :k].index_select(0, round_rows.rows_t)
-        hidden = self.states.hidden.index_select(0, round_rows.rows_t)
-        recorder = CandidateRecorder()
-        frontier_hidden = hidden[:, None, :].expand(-1, k, -1)
-        frontier_ids = recorder.add(frontier_tokens, frontier_scores, torch.full((batch_size, k), -1), depth=1)
-        frontier_ids = frontier_ids.expand(batch_size, k)
-        scratch = (steps - 1) * k
-        # ancestry[b, f, s]: scratch slot s holds an ancestor-or-self of frontier node f.
-        ancestry = torch.zeros(batch_size, k, scratch, dtype=torch.bool)
-        for step in range(1, steps):
-            own = (step - 1) * k + torch.arange(k)
-            ancestry[:, torch.arange(k), own] = True
-            step_batch = self._draft_step_batch(round_rows, frontier_tokens, ancestry, step)
-            with self._draft_clock:
-                out = self.draft(
-                    step_batch, self.draft_attention, frontier_hidden.reshape(batch_size * k, -1), hidden_is_target_features=False
-                )
-            top_logprobs, top_ids = self.draft.top_k_target_ids(out.logits, k)
-            child_tokens = top_ids.view(batch_size, k * k)
-            child_scores = (frontier_scores[:, :, None] + top_logprobs.view(batch_size, k, k)).view(batch_size, k * k)
-            child_parents = frontier_ids[:, :, None].expand(-1, -1, k).reshape(batch_size, k * k)
-            child_ids = recorder.add(child_tokens, child_scores, child_parents, depth=step + 1)
-            if step == steps - 1:
-                break
-            # The k best children, the earlier first among equal scores (as DecoderStack.draft_tree).
-            best = child_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [B, k]
-            parent_rank = best // k
-            frontier_tokens = child_tokens.gather(1, best)
-            frontier_scores = child_scores.gather(1, best)
-            frontier_ids = child_ids[best]
-            frontier_hidden = out.hidden_out.view(batch_size, k, -1).gather(
-                1, parent_rank[:, :, None].expand(-1, -1, out.hidden_out.shape[-1])
-            )
-            ancestry = ancestry.gather(1, parent_rank[:, :, None].expand(-1, -1, scratch))
-        return recorder.build_tree(round_rows.roots, num_draft_tokens, self.backend.spec)
+        return self.drafter.tree(round_rows, steps, num_draft_tokens, k)
 
     def _final_ids(self, requests: list[Request]) -> torch.Tensor | None:
         """[B, S] per request the tokens that would end it wherever it drafts them (EOS unless
@@ -384,67 +288,13 @@ class EagleWorker:
         stops early once every request drafted a token that would end it (``_final_ids``)."""
         batch_size = len(requests)
         final_ids = self._final_ids(requests) if length > 1 else None
-        fused = self.draft.fused_midlayer
-        chain = None
-        if length > 1 and fused is not None:
-            # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
-            with self._draft_clock:
-                chain = fused.draft_chain(
-                    self.draft, round_rows.roots, round_rows.rows_t, self.states, self.draft_attention, round_rows.prefix,
-                    round_rows.prefix_t, length - 1, final_ids,
-                )
-        if chain is None:
-            first = self.states.topk_tokens[:, 0].index_select(0, round_rows.rows_t)  # [B]: step 0's token, from the last draft extend
-            hidden = self.states.hidden.index_select(0, round_rows.rows_t)
-            tokens = [round_rows.roots, first][: length + 1]  # [B] each
-            ended = torch.zeros(batch_size, dtype=torch.bool)
-            for step in range(1, length):
-                if final_ids is not None:
-                    ended |= (tokens[-1][:, None] == final_ids).any(dim=1)
-                    if bool(ended.all()):
-                        break
-                step_batch = self._draft_step_batch(round_rows, tokens[-1][:, None], None, step)
-                with self._draft_clock:
-                    out = self.draft(step_batch, self.draft_attention, hidden, hidden_is_target_features=False)
-                tokens.append(self.draft.greedy_target_ids(out.logits))
-                hidden = out.hidden_out
-            chain = torch.stack(tokens, dim=1)
+        chain = self.drafter.chain(round_rows, length, final_ids)
         n = chain.shape[1]
         if (batch_size, n) not in self._chain_index:  # the same for every chain of this size
             index = torch.arange(n).expand(batch_size, n)
             self._chain_index[batch_size, n] = (index - 1, index)
         parents, depths = self._chain_index[batch_size, n]
         return DraftTree(tokens=chain, parents=parents, depths=depths)
-
-    def _draft_step_batch(
-        self, round_rows: RoundRows, frontier_tokens: torch.Tensor, ancestry: torch.Tensor | None, step: int
-    ) -> ForwardBatch:
-        """Draft step ``step``'s batch: each request's frontier at scratch row indices
-        n + (step-1)*k .. n + step*k - 1, all at position n - 1 + step."""
-        batch_size, k = frontier_tokens.shape
-        prefix = round_rows.prefix_t
-        first = (step - 1) * k  # scratch index of this step's first frontier slot
-        mask = None  # a chain's frontier token sees every row before it: the default causal mask
-        if k > 1:
-            num_keys = max(round_rows.prefix) + step * k
-            scratch = ancestry.shape[-1]
-            width = max(round_rows.prefix) + scratch
-            mask = (torch.arange(width)[None, None, :] < prefix[:, None, None]).expand(batch_size, k, width).clone()
-            columns = (prefix[:, None] + torch.arange(scratch))[:, None, :].expand(batch_size, k, scratch)
-            mask.scatter_(2, columns, ancestry)
-            mask = mask[:, :, :num_keys].reshape(batch_size * k, num_keys)
-        positions = prefix + (step - 1)
-        return ForwardBatch.build(
-            input_ids=frontier_tokens.reshape(-1),
-            req_pool_indices=round_rows.rows,
-            extend_prefix_lens=[p + first for p in round_rows.prefix],
-            extend_seq_lens=[k] * batch_size,
-            out_cache_loc=round_rows.slots[:, first : first + k].reshape(-1),
-            positions=positions if k == 1 else positions.repeat_interleave(k),
-            mode=ForwardMode.VERIFY,
-            logits_indices=self._arange(batch_size * k),
-            custom_mask=mask,
-        )
 
     def _verify(
         self, requests: list[Request], round_rows: RoundRows, tree: DraftTree, is_chain: bool
@@ -550,5 +400,5 @@ class EagleWorker:
             extend_seq_lens_cpu=path_lens,
             mode=ForwardMode.EXTEND,
         )
-        self._extend_draft(batch, features, round_rows.rows_t, feature_rows=feature_rows)
+        self.drafter.extend(batch, features, round_rows.rows_t, feature_rows=feature_rows)
         return RoundResult(new_tokens, [n - 1 for n in path_lens], tree.tokens.shape[1] - 1)

@@ -44,7 +44,7 @@ class CpuMLAAttention(TorchMLAAttention):
     ) -> torch.Tensor:
         # Positional, each argument named by what it is: keywords make every layer's op call slower.
         metadata = self._attention_metadata(batch)
-        w_uk_packed, w_uv_packed = layer.amx_projections or (None, None)
+        w_uk_packed, w_uv_packed = layer.absorbed_projections or (None, None)
         return torch.ops.eaglet.mla_absorbed_attention(
             q_nope, q_pe, self.pool.kv[layer.layer_id], layer.w_uk, layer.w_uv_t, metadata.slots, metadata.kv_lens,
             metadata.token_starts, metadata.custom_mask, layer.scaling, w_uk_packed, w_uv_packed,

@@ -31,7 +31,7 @@ class MLALayer(Protocol):
     scaling: float
     w_uk: torch.Tensor  # [H, P, L] float32
     w_uv_t: torch.Tensor  # [H, L, V] float32
-    amx_projections: tuple[torch.Tensor, ...]
+    absorbed_projections: tuple[torch.Tensor, ...]
 
     def decompress(self, latent: torch.Tensor) -> torch.Tensor:
         """kv_b_proj of cached latents [S, L]: [S, H * (P + V)]."""
