@@ -66,6 +66,8 @@ from collections.abc import Iterable
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglet.testing.kimi_template import CHAT_TEMPLATE as KIMI_CHAT_TEMPLATE
+
 __all__ = [
     "tiny_text_config",
     "tiny_vision_config",
@@ -1032,21 +1034,6 @@ def _special_tokens_for(model_type: str, vocab_size: int, *, image_token_id: int
     return out
 
 
-_KIMI_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
-    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ['image', 'image_url'] -%}"
-    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-)
-
 _DEEPSEEK_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages -%}"
@@ -1191,7 +1178,7 @@ def _write_tokenizer_files(path: pathlib.Path, vocab_size: int, special: dict[st
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
-        "chat_template": _KIMI_TEMPLATE if chat_style == "kimi" else _DEEPSEEK_TEMPLATE,
+        "chat_template": KIMI_CHAT_TEMPLATE if chat_style == "kimi" else _DEEPSEEK_TEMPLATE,
     }
     if "pad" in special:
         cfg["pad_token"] = special["pad"][0]

@@ -11,21 +11,7 @@ from typing import Any
 
 from eaglet.testing import scenes
 from eaglet.testing.docs_corpus import docs_paragraphs
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
-    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
-    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ['image', 'image_url'] -%}"
-    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-)
+from eaglet.testing.kimi_template import CHAT_TEMPLATE
 
 # Relative frequencies of the training tasks.
 TASK_WEIGHTS = {"describe": 4, "colour": 3, "shape": 3, "position": 3, "count": 1, "docs": 1}
