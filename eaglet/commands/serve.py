@@ -17,6 +17,8 @@ from eaglet.commands.model_args import (
 )
 
 API_KEY_ENV = "EAGLET_API_KEY"
+# eaglet.server.output_parsing.PARSER_SETTINGS, spelled here so that --help does not import the server
+OUTPUT_PARSERS = ("auto", "kimi_k2", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="let special-token text in chat messages (e.g. '<|im_end|>') become control tokens; by "
                              "default it is encoded as plain text, so a message cannot forge a turn")
+    server.add_argument("--tool-call-parser", choices=OUTPUT_PARSERS, default="auto",
+                        help="read tool calls out of the model's output in this format, for requests with tools "
+                             "('auto': kimi_k2 for Kimi checkpoints; 'none': requests that need it are refused)")
+    server.add_argument("--reasoning-parser", choices=OUTPUT_PARSERS, default="auto",
+                        help="return the model's thinking (<think>...</think>) as reasoning_content "
+                             "('auto': kimi_k2 for Kimi checkpoints)")
     server.add_argument("--health-stall-timeout", type=positive_float, default=20.0,
                         help="seconds one engine step may run before /health answers 503")
     server.add_argument("--max-request-bytes", type=positive_int, default=32 * 2**20, help="largest request body")
@@ -68,6 +76,8 @@ def server_config(args: argparse.Namespace, default_model_name: str) -> Any:  # 
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         metrics_behind_api_key=args.metrics_require_api_key,
         health_stall_timeout_s=args.health_stall_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

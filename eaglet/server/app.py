@@ -29,16 +29,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from eaglet.engine.async_engine import AsyncEngine
-from eaglet.executor.request import RequestOutput
 from eaglet.errors import InvalidRequestError
+from eaglet.executor.request import RequestOutput
 from eaglet.multimodal.image_processor import load_image
 from eaglet.sampling_params import SamplingParams
 from eaglet.server import protocol as P
 from eaglet.server.body import RequestModel, read_json_body
-from eaglet.server.chat import template_messages
+from eaglet.server.chat import check_template_kwargs, template_messages
+from eaglet.server.chat_output import ChoiceOutput, delta_messages
 from eaglet.server.completion_prompts import completion_prompts
 from eaglet.server.errors import ERROR_TYPES, APIError, error_response
 from eaglet.server.images import ImageLimits, load_request_image
+from eaglet.server.kimi_k2_output import OutputFormat
 from eaglet.server.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -47,9 +49,11 @@ from eaglet.server.logprobs import (
     prompt_entries,
 )
 from eaglet.server.metrics import ServerMetrics, snapshot_engine
+from eaglet.server.output_parsing import OutputParsing
 from eaglet.server.prompts import PromptEncoder
 from eaglet.server.step_tally import StepTally
 from eaglet.server.streams import SampleStreams
+from eaglet.server.tool_calls import tool_use, unmet_tool_choice
 
 logger = logging.getLogger("eaglet.server")
 
@@ -66,6 +70,9 @@ class ServerConfig:
     allow_special_tokens_in_messages: bool = False  # chat message text may then hold control tokens
     metrics_behind_api_key: bool = False
     health_stall_timeout_s: float = 20.0  # /health fails while one engine step or command runs longer
+    # Output parsers, as vLLM / SGLang name them: "kimi_k2", "none", or "auto" (kimi_k2 for Kimi checkpoints).
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 _MIN_TEMPERATURE = 1e-2
@@ -108,6 +115,9 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
     max_total_tokens = min(engine.context_len, cache_tokens)
     encoder = PromptEncoder(engine.tokenizer, max_total_tokens - 1, config.allow_special_tokens_in_messages)
     token_text = TokenTexts(engine.tokenizer)
+    parsing = OutputParsing.for_server(
+        engine.tokenizer, config.tool_call_parser, config.reasoning_parser, engine.model_config.architecture
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -279,41 +289,61 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
         check_n(body.n)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = tool_use(body, parsing.tool_calls)
+        template_kwargs = body.chat_template_kwargs or {}
+        check_template_kwargs(engine.tokenizer, template_kwargs)
         messages, image_urls = template_messages(body.messages)
         images = await decode_images(image_urls)
-        token_ids = await encoder.encode_chat(messages)
+        token_ids = await encoder.encode_chat(messages, tools.template_tools, template_kwargs)
         prompt_len = len(token_ids) + sum(engine.image_processor.num_placeholder_tokens(i.height, i.width) - 1 for i in images)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
         max_tokens = max_new_tokens(requested, prompt_len, None, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # The prompt's last characters say whether it leaves a thinking section open.
+        prompt_tail = await encoder.decode(token_ids[-16:]) if parsing.reasoning else ""
+        output_format = parsing.output_format(
+            parse_tool_calls=tools.parse_calls, max_tool_calls=tools.max_calls, prompt_tail=prompt_tail,
+            skip_special_tokens=body.skip_special_tokens,
+        )
         params = params_of(body, max_tokens, logprobs)
+        if parsing.engine_keeps_special_tokens(output_format):
+            params = dataclasses.replace(params, skip_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt_token_ids": token_ids, "images": images}
         streams = await start_streams([(prompt, p) for p in dataclasses.replace(params, n=body.n).per_sample()], request_id)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _AbortingStreamingResponse(
-                chat_events(streams, request_id, body.model, body.logprobs, include_usage), media_type="text/event-stream"
+                chat_events(streams, request_id, body.model, body.logprobs, include_usage, output_format, tools.choice),
+                media_type="text/event-stream",
             )
         outputs = await final_outputs_unless_disconnected(request, streams)
-        choices = [
-            P.ChatChoice(
+        choices = []
+        for j, out in enumerate(outputs):
+            output = ChoiceOutput(output_format)
+            output.read(out.text or "", finished=True)
+            choices.append(P.ChatChoice(
                 index=j,
-                message=P.AssistantMessage(content=out.text or ""),
+                message=output.message(),
                 logprobs=chat_logprobs(out.logprobs, token_text) if body.logprobs else None,
-                finish_reason=out.finish_reason,
+                finish_reason=output.finish_reason(out.finish_reason),
                 speculative=spec_stats(out),
-            )
-            for j, out in enumerate(outputs)
-        ]
+                tool_choice_unmet=unmet_tool_choice(tools.choice, output.tool_calls),
+            ))
         response = P.ChatCompletionResponse(
             id=request_id, created=int(time.time()), model=body.model, choices=choices, usage=usage_of(outputs, body.n)
         )
         return JSONResponse(P.dump(response))
 
     async def chat_events(
-        streams: SampleStreams, request_id: str, model: str, want_logprobs: bool, include_usage: bool
+        streams: SampleStreams,
+        request_id: str,
+        model: str,
+        want_logprobs: bool,
+        include_usage: bool,
+        output_format: OutputFormat,
+        tool_choice: P.ToolChoiceMode | P.NamedToolChoice,
     ) -> AsyncIterator[str]:
         created_at = int(time.time())
         n = len(streams.timers)
@@ -321,7 +351,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
         def chunk(choices: list[P.ChatChunkChoice], usage: P.Usage | None = None) -> str:
             return sse(P.ChatCompletionChunk(id=request_id, created=created_at, model=model, choices=choices, usage=usage))
 
-        sent_text = [""] * n
+        outputs = [ChoiceOutput(output_format) for _ in range(n)]
         sent_tokens = [0] * n
         last: dict[int, RequestOutput] = {}
         try:
@@ -329,22 +359,24 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
                 yield chunk([P.ChatChunkChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""))])
             async for j, out in streams.outputs():
                 last[j] = out
-                text = out.text or ""
-                delta = text[len(sent_text[j]) :]
+                deltas = delta_messages(outputs[j].read(out.text or "", out.finished))
                 new_logprobs = out.logprobs[sent_tokens[j] :] if want_logprobs and out.logprobs is not None else []
-                if not delta and not new_logprobs and not out.finished:
+                if not deltas and not new_logprobs and not out.finished:
                     continue
-                sent_text[j] = text
                 sent_tokens[j] = len(out.token_ids)
-                yield chunk([
-                    P.ChatChunkChoice(
-                        index=j,
-                        delta=P.DeltaMessage(content=delta),
-                        logprobs=chat_logprobs(new_logprobs, token_text) if want_logprobs else None,
-                        finish_reason=out.finish_reason,
-                        speculative=spec_stats(out) if out.finished else None,
-                    )
-                ])
+                deltas = deltas or [P.DeltaMessage(content="")]
+                for k, delta in enumerate(deltas):
+                    ends = out.finished and k == len(deltas) - 1
+                    yield chunk([
+                        P.ChatChunkChoice(
+                            index=j,
+                            delta=delta,
+                            logprobs=chat_logprobs(new_logprobs, token_text) if want_logprobs and k == 0 else None,
+                            finish_reason=outputs[j].finish_reason(out.finish_reason) if ends else None,
+                            speculative=spec_stats(out) if ends else None,
+                            tool_choice_unmet=unmet_tool_choice(tool_choice, outputs[j].tool_calls) if ends else None,
+                        )
+                    ])
             if include_usage:
                 yield chunk([], usage_of([last[j] for j in range(n)], n))
         except Exception as exc:

@@ -1,13 +1,21 @@
 """Chat messages to a prompt: the model's own chat template (from its tokenizer config), with each
 image part rendered as the template renders images, which for Kimi-K2.5 puts one media
-placeholder token per image where the engine expects it (see ``Engine._prepare_prompt``)."""
+placeholder token per image where the engine expects it (see ``Engine._prepare_prompt``).
+
+Tools, earlier tool calls, tool results and per-request template variables reach the template the
+way transformers' ``apply_chat_template`` passes them (``tools=``, ``message.tool_calls``,
+``role: "tool"`` with ``tool_call_id``, extra keyword arguments such as ``thinking``), which is what
+vLLM and SGLang do; a template that has no use for them renders as before.
+"""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from eaglet.errors import InvalidRequestError
-from eaglet.server.protocol import ChatMessage, ImagePart, TextPart
+from eaglet.server.errors import APIError
+from eaglet.server.protocol import ChatMessage, ImagePart, TextPart, ToolDefinition
 
 
 def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -16,6 +24,7 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]]
     Text-only content becomes a plain string (templates written for string content then work);
     content with images stays a list of parts, each image part without its (possibly huge) URL.
     """
+    check_tool_messages(messages)
     rendered: list[dict[str, Any]] = []
     image_urls: list[str] = []
     for message in messages:
@@ -35,11 +44,66 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]]
                     else:
                         parts.append({"type": "text", "text": part.text})
                 content = parts
-        rendered.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
+        rendered.append(entry)
     return rendered, image_urls
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """Tool calls only on assistant messages; each tool message answers a call made before it."""
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.tool_calls and message.role != "assistant":
+            raise APIError(400, f"messages.{i}: only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+        if message.role == "assistant":
+            called.update(call.id for call in message.tool_calls or [])
+        if message.role != "tool":
+            continue
+        param = f"messages.{i}.tool_call_id"
+        if not message.tool_call_id:
+            raise APIError(400, f"{param}: a tool message needs the id of the tool call it answers", param)
+        if message.tool_call_id not in called:
+            raise APIError(
+                400, f"{param}: {message.tool_call_id!r} is not the id of a tool call in an earlier assistant message", param
+            )
+
+
+def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """Tools as templates take them (OpenAI's form, unset fields left out); None for no tools."""
+    if not tools:
+        return None
+    names = [tool.function.name for tool in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise APIError(400, f"tools.{i}.function.name: {name!r} names two tools", f"tools.{i}.function.name")
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+    """Refuses template variables that would replace what the server itself passes (the messages,
+    the tools, the special tokens, apply_chat_template's own options)."""
+    if tokenizer is None:
+        return
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+    reserved |= set(getattr(tokenizer, "special_tokens_map", {}))
+    for name in kwargs:
+        if name in reserved:
+            raise APIError(400, f"chat_template_kwargs: {name!r} is set by the server, not the request",
+                           "chat_template_kwargs")
+
+
+def render_chat_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """The prompt text the model's chat template makes of the messages, ready for the assistant turn."""
     if tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer, so it cannot chat; send token ids (/v1/completions)")
@@ -48,6 +112,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
             "this model's tokenizer has no chat template; send a plain prompt (/v1/completions, or eaglet generate --raw)"
         )
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
     except Exception as exc:  # a template may raise on what it does not support (jinja raise_exception)
         raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from exc

@@ -7,8 +7,11 @@ the tokenizer (HF fast tokenizers change their settings per call, which must not
 engine's detokenizers), and releases the GIL while the Rust tokenizer works.
 
 Chat messages never become control tokens: text such as ``<|im_end|><|im_system|>`` in a message
-is encoded as the ordinary text it is, while the chat template's own control tokens stay real
-(``allow_special_tokens_in_messages`` turns this off, as for a trusted client).
+(its content, an earlier call's arguments, its reasoning) is encoded as the ordinary text it is,
+while the chat template's own control tokens stay real. Names, ids, tool definitions and template
+variables are rendered where message text cannot be fenced off (inside JSON, in lookups), so
+special-token text there is refused (``allow_special_tokens_in_messages`` allows both, as for a
+trusted client).
 """
 
 from __future__ import annotations
@@ -73,10 +76,16 @@ class PromptEncoder:
         self.check_length(len(text), param)
         return await self._run(lambda: self._encode(text, split_special_tokens=False))
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template's prompt for the messages, ready for the assistant turn."""
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat template's prompt for the messages (and tools, and template variables), ready for
+        the assistant turn."""
         self.check_length(sum(len(text) for text in _message_texts(messages)), "messages")
-        return await self._run(lambda: self._encode_chat(messages))
+        return await self._run(lambda: self._encode_chat(messages, tools, template_kwargs))
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(lambda: self.tokenizer.decode(token_ids, skip_special_tokens=False))
@@ -91,15 +100,29 @@ class PromptEncoder:
             return []
         return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split_special_tokens))
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _refuse_special_tokens(self, texts: Iterator[tuple[str, str]]) -> None:
+        if self._special is None:
+            return
+        for param, text in texts:
+            if found := self._special.search(text):
+                raise APIError(
+                    400, f"{param} holds special-token text ({found.group()!r}); it is refused outside message text", param
+                )
+
+    def _encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        if not self.allow_special_tokens_in_messages:
+            self._refuse_special_tokens(_unfenced_texts(messages, tools, template_kwargs))
         forged = self._special is not None and any(self._special.search(t) for t in _message_texts(messages))
         if self.allow_special_tokens_in_messages or not forged:
-            return self._encode(render_chat_prompt(self.tokenizer, messages), split_special_tokens=False)
+            return self._encode(render_chat_prompt(self.tokenizer, messages, tools, template_kwargs), split_special_tokens=False)
         # Each message text is fenced by markers only this request knows; the template's text
         # between the fences is encoded with its control tokens, the fenced text as plain text.
         nonce = secrets.token_hex(8)
         opening, closing = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
-        rendered = render_chat_prompt(self.tokenizer, _map_texts(messages, lambda t: f"{opening}{t}{closing}"))
+        fenced_messages = _map_texts(messages, lambda t: f"{opening}{t}{closing}")
+        rendered = render_chat_prompt(self.tokenizer, fenced_messages, tools, template_kwargs)
         token_ids: list[int] = []
         start = 0
         for fenced in re.finditer(f"{opening}(.*?){closing}", rendered, flags=re.DOTALL):
@@ -119,12 +142,16 @@ class PromptEncoder:
 
 
 def _message_texts(messages: list[dict[str, Any]]) -> Iterator[str]:
+    """The free text of the messages: what may be fenced (content, reasoning, call arguments)."""
     for message in messages:
         content = message["content"]
         if isinstance(content, str):
             yield content
         else:
             yield from (part["text"] for part in content if part["type"] == "text")
+        if "reasoning_content" in message:
+            yield message["reasoning_content"]
+        yield from (call["function"]["arguments"] for call in message.get("tool_calls", []))
 
 
 def _map_texts(messages: list[dict[str, Any]], fn: Callable[[str], str]) -> list[dict[str, Any]]:
@@ -133,4 +160,42 @@ def _map_texts(messages: list[dict[str, Any]], fn: Callable[[str], str]) -> list
             return fn(content)
         return [{**part, "text": fn(part["text"])} if part["type"] == "text" else part for part in content]
 
-    return [{**message, "content": content_of(message["content"])} for message in messages]
+    def call_of(call: dict[str, Any]) -> dict[str, Any]:
+        return {**call, "function": {**call["function"], "arguments": fn(call["function"]["arguments"])}}
+
+    mapped = []
+    for message in messages:
+        message = {**message, "content": content_of(message["content"])}
+        if "reasoning_content" in message:
+            message["reasoning_content"] = fn(message["reasoning_content"])
+        if "tool_calls" in message:
+            message["tool_calls"] = [call_of(call) for call in message["tool_calls"]]
+        mapped.append(message)
+    return mapped
+
+
+def _unfenced_texts(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None
+) -> Iterator[tuple[str, str]]:
+    """(field, text) of every other string a request brings to the template."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls", [])):
+            yield f"messages.{i}.tool_calls.{j}.id", call["id"]
+            yield f"messages.{i}.tool_calls.{j}.function.name", call["function"]["name"]
+        if "tool_call_id" in message:
+            yield f"messages.{i}.tool_call_id", message["tool_call_id"]
+    yield from _json_strings(tools or [], "tools")
+    yield from _json_strings(template_kwargs or {}, "chat_template_kwargs")
+
+
+def _json_strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every string in a JSON value, keys included, with where it is."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield path, key
+            yield from _json_strings(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _json_strings(item, f"{path}.{i}")

@@ -2,15 +2,25 @@
 
 Requests are validated strictly (no string-to-number coercion, no bools as numbers, no infinite
 numbers); ranges that SamplingParams also checks are repeated here so that the error names the
-OpenAI field. Fields OpenAI clients send that eaglet has no use for (``user``, ``tools`` ...) are
-ignored.
+OpenAI field. Fields OpenAI clients send that eaglet has no use for (``user``, ``metadata`` ...)
+are ignored. Tool calls (``tools``, ``tool_choice``, ``role: "tool"`` messages) and thinking
+(``chat_template_kwargs``, ``reasoning_content``) follow OpenAI's and vLLM's spelling.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
+from pydantic_core import PydanticCustomError
 
 StrictInt = Annotated[int, Field(strict=True)]
 Number = Annotated[float, Field(strict=True)]  # strict float still takes JSON integers
@@ -38,10 +48,69 @@ class ImagePart(_Request):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    """A call in an assistant message: in the history a request sends, and in a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+    reasoning_content: str | None = None  # assistant messages: their thinking, for templates that show it
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+
+
+def _tool_choice(value: Any) -> ToolChoiceMode | NamedToolChoice:
+    # By hand: pydantic would name both union members in every error (tool_choice.literal[...]).
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        return value  # type: ignore[return-value]
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise PydanticCustomError("tool_choice", "{where}: {msg}", {"where": where, "msg": first["msg"]}) from None
+    raise PydanticCustomError(
+        "tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"
+    )
+
+
+ToolChoice = Annotated[ToolChoiceMode | NamedToolChoice, PlainValidator(_tool_choice)]
 
 
 class StreamOptions(_Request):
@@ -77,6 +146,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without (OpenAI's defaults)
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template ({"thinking": false})
 
 
 class CompletionRequest(SamplingFields):
@@ -120,7 +193,14 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _keep_null_content(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI writes "content": null beside tool calls; dump() leaves other Nones out.
+        return {"role": self.role, "content": self.content, **handler(self)}
 
 
 class ChatChoice(BaseModel):
@@ -129,6 +209,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     speculative: SpeculativeStats | None = None
+    tool_choice_unmet: str | None = None  # why the calls do not satisfy tool_choice (it is not enforced)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -140,9 +221,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first chunk has its id, type and name (and arguments ""); later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -151,6 +248,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     speculative: SpeculativeStats | None = None
+    tool_choice_unmet: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -62,6 +62,29 @@ def make_echo_target(path: Path, alpha: float, prefix: str = "") -> Path:
     return path
 
 
+def make_successor_target(path: Path, successor: dict[int, int], alpha: float, prefix: str = "") -> Path:
+    """Like ``make_echo_target``, but at token t the target predicts ``successor[t]`` instead of t:
+    lm_head's row of ``successor[t]`` is t's embedding. ``successor`` (distinct values) is completed
+    to a permutation of the vocabulary, the other tokens pairing up in id order."""
+    if len(set(successor.values())) != len(successor):
+        raise ValueError("two tokens cannot have the same successor")
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        embed = tensors[f"{prefix}model.embed_tokens.weight"]
+        vocab = embed.shape[0]
+        taken = set(successor.values())
+        sources = [t for t in range(vocab) if t not in successor]
+        targets = [t for t in range(vocab) if t not in taken]
+        permutation = {**successor, **dict(zip(sources, targets))}
+        head = tensors[f"{prefix}lm_head.weight"]
+        for token, following in permutation.items():
+            head[following].copy_(embed[token])
+        _scale_residual_branches(tensors, alpha)
+
+    _edit(path, edit)
+    return path
+
+
 def echo_kimi_target(path: Path, alpha: float, seed: int = 11) -> Path:
     write_kimi_k25_checkpoint(path, {"max_position_embeddings": 256}, seed=seed, image_token_id=IMAGE_TOKEN)
     return make_echo_target(path, alpha, prefix="language_model.")
