@@ -24,14 +24,14 @@ def _half_built_cache(root: Path) -> Path:
     build killed while linking leaves (the objects are there, the link is not)."""
     built = build.build_dir()
     copy = root / built.name
-    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("*.so", "build.flock"))
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("*.so", "build.flock", "complete"))
     (copy / "lock").write_text("")
     return copy
 
 
-def _start(cache: Path) -> subprocess.Popen:
+def _start(cache: Path, code: str = LOAD) -> subprocess.Popen:
     env = {**os.environ, "EAGLET_KERNEL_CACHE": str(cache.parent)}
-    return subprocess.Popen([sys.executable, "-c", LOAD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_start_after_a_killed_build_finishes_it(tmp_path):
@@ -53,3 +53,18 @@ def test_torchs_stale_lock_alone_does_not_block(tmp_path):
     cache = _half_built_cache(tmp_path)
     out, err = _start(cache).communicate(timeout=600)
     assert out.strip() == "loaded", err
+
+
+def test_a_finished_build_loads_without_compiling(tmp_path):
+    """An installed eaglet whose build tools are gone (no ninja, no compiler) keeps its kernels."""
+    copy = tmp_path / build.build_dir().name
+    shutil.copytree(build.build_dir(), copy, ignore=shutil.ignore_patterns("build.flock"))
+    assert (copy / "complete").is_file()
+    no_build_tools = ("import torch.utils.cpp_extension as c\n"
+                      "def refuse(*args, **kwargs): raise RuntimeError('no build tools')\n"
+                      "c.load = refuse\n" + LOAD)
+    out, err = _start(copy, no_build_tools).communicate(timeout=120)
+    assert out.strip() == "loaded", err
+    (copy / "complete").unlink()  # an unfinished build is built (and here cannot be)
+    out, err = _start(copy, no_build_tools).communicate(timeout=120)
+    assert "no build tools" in out, err

@@ -61,16 +61,23 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 
 def build_and_load() -> None:
-    """Builds the kernels if this directory has none yet (saying so, and how long it took), then
-    loads them into ``torch.ops.eaglet``. Raises what the compiler or loader raised."""
-    from torch.utils import cpp_extension
+    """Builds the kernels if this directory has no finished build yet (saying so, and how long it
+    took), then loads them into ``torch.ops.eaglet``. Raises what the compiler or loader raised.
 
+    A finished build (its ``complete`` marker, written after the link) loads without ninja or a
+    compiler: an installed eaglet keeps its kernels when its build tools are gone."""
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    library, marker = directory / f"{NAME}.so", directory / "complete"
+    if marker.is_file() and library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils import cpp_extension
+
     with _exclusive(directory / "build.flock"):
         # torch's own lock file, left by a build killed midway: under our lock no one else builds here.
         (directory / "lock").unlink(missing_ok=True)
-        fresh = not any(directory.glob(f"{NAME}*.so"))
+        fresh = not library.is_file()
         if fresh:
             logger.warning(
                 "eaglet: compiling the CPU kernels for this CPU and source (once; about 1-4 minutes on 2 cores) in %s",
@@ -81,5 +88,6 @@ def build_and_load() -> None:
             name=NAME, sources=[str(path) for path in sources()], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
             build_directory=str(directory), is_python_module=False, verbose=False,
         )
+        marker.write_text(f"built in {time.perf_counter() - start:.0f} s\n")
         if fresh:
             logger.warning("eaglet: CPU kernels compiled in %.0f s", time.perf_counter() - start)
