@@ -1,11 +1,12 @@
 """Weight formats of eaglet's C++ kernels (``WeightMethods``): bfloat16 matrices in tile layout
 (``amx_pack_weight``), multiplied by the build's tile GEMM (``eaglet.kernels.tile_backend()``:
-AMX tiles, AVX512-BF16 or AVX2 dot products) for any row count, each output row from its own
-product chain, so a token's bits do not depend on how many rows share the call.
+AMX tiles, AVX512-BF16 or AVX2 dot products), and float32 matrices in 8-column panels
+(``f32_pack_weight``, ``f32_linear``). For any row count each output row comes from its own
+product chain, so a token's bits do not depend on how many rows share the call, or on how its
+prompt was split into chunks.
 
-Inputs the kernels do not take (another dtype, autograd, prefill chunks above PADDED_MAX_ROWS rows,
-where the GEMM outweighs the call and no verify pass has to reproduce their bits) take the
-PyTorch form of the same parameters.
+Inputs the kernels do not take (another dtype, autograd: draft training) take the PyTorch form of
+the same parameters.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from eaglet.backends.base import ExpertsMethod, LinearMethod, SwiGLUMethod
-from eaglet.backends.pytorch.weights import PADDED_MAX_ROWS, DenseLinear, TorchWeightMethods, dense_linear
+from eaglet.backends.pytorch.weights import DenseLinear, TorchExperts, TorchSwiGLU, TorchWeightMethods, dense_linear
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,7 @@ class TileLinear(DenseLinear):
         self.out_features = weight.shape[0]
 
     def _takes(self, x: torch.Tensor) -> bool:
-        return (x.dim() == 2 and x.shape[0] <= PADDED_MAX_ROWS and x.dtype == self.weight.dtype
-                and not torch.is_grad_enabled())
+        return x.dim() == 2 and x.dtype == self.weight.dtype and not torch.is_grad_enabled()
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if not self._takes(x):
@@ -49,6 +49,23 @@ class TileLinear(DenseLinear):
         if not self._takes(x):
             return None
         return torch.ops.eaglet.amx_linear_argmax(x, self.tiles, self.out_features, self.bias)
+
+
+class PanelLinear(DenseLinear):
+    """A float32 [out, in] weight (and bias) with its 8-column panel copy ``panels``: oneDNN's and
+    MKL's float32 GEMMs block by the row count, so a row's bits would change with its batch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self.panels = torch.ops.eaglet.f32_pack_weight(weight.detach())
+        self.out_features = weight.shape[0]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or torch.is_grad_enabled() or x.dim() == 0:
+            return dense_linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.eaglet.f32_linear(rows, self.panels, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class TileSwiGLU:
@@ -83,8 +100,9 @@ class TileExperts:
 
 
 class CpuWeightMethods:
-    """bfloat16 matrices in tile layout where this build has a tile GEMM (``tiles``); others, and
-    every matrix without one, in the PyTorch backend's forms."""
+    """bfloat16 matrices in tile layout where this build has a tile GEMM (``tiles``), float32
+    matrices in panels; others, and bfloat16 matrices without a tile GEMM, in the PyTorch
+    backend's forms."""
 
     def __init__(self, fallback: TorchWeightMethods, tiles: bool) -> None:
         self.fallback = fallback
@@ -93,16 +111,23 @@ class CpuWeightMethods:
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearMethod:
         if self._tiled(weight) and (bias is None or bias.dtype == weight.dtype):
             return TileLinear(weight, bias)
+        if _panelled(weight) and (bias is None or bias.dtype == weight.dtype):
+            return PanelLinear(weight, bias)
         return self.fallback.linear(weight, bias)
 
     def swiglu(self, gate_up: torch.Tensor, down: torch.Tensor) -> SwiGLUMethod:
         if self._tiled(gate_up):
             return TileSwiGLU(gate_up, down, self.fallback)
+        if _panelled(gate_up):
+            return TorchSwiGLU(PanelLinear(gate_up), PanelLinear(down))
         return self.fallback.swiglu(gate_up, down)
 
     def experts(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertsMethod:
         if self.tiles and w13.dtype == torch.bfloat16:
             return TileExperts(w13, w2, self.fallback)
+        if w13.dtype == torch.float32:
+            # Not every expert on every token: those batched products block by the token count.
+            return TorchExperts(w13, w2, PanelLinear, dense_when_small=False)
         return self.fallback.experts(w13, w2)
 
     def absorbed_projections(self, w_uk: torch.Tensor, w_uv_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -117,3 +142,7 @@ class CpuWeightMethods:
 
     def _tiled(self, weight: torch.Tensor) -> bool:
         return self.tiles and weight.dtype == torch.bfloat16 and weight.dim() == 2
+
+
+def _panelled(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.dim() == 2

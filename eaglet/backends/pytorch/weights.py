@@ -124,15 +124,16 @@ class TorchExperts:
     decode-sized batch instead runs every expert on every token in two batched matmuls and
     combines them with the routing weights (zero for unchosen experts): the extra arithmetic costs
     less than routing's sort / gather / scatter (2-3x faster for the demo model's 4 experts of
-    128 x 128 at 4-16 tokens, slower for 8 experts of 512 x 256).
+    128 x 128 at 4-16 tokens, slower for 8 experts of 512 x 256). ``dense_when_small=False`` turns
+    that off where a token's bits must not depend on its batch (batched products block by its size).
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, linear: type[DenseLinear]) -> None:
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, linear: type[DenseLinear], dense_when_small: bool = True) -> None:
         self.w13, self.w2 = w13, w2
         self.num_experts = w13.shape[0]
         self.per_expert = [(linear(a), linear(b)) for a, b in zip(w13.unbind(0), w2.unbind(0))]
         self.w13_t = self.w2_t = None
-        if (w13.numel() + w2.numel()) * w13.element_size() <= DENSE_MAX_WEIGHT_BYTES:
+        if dense_when_small and (w13.numel() + w2.numel()) * w13.element_size() <= DENSE_MAX_WEIGHT_BYTES:
             self.w13_t = w13.transpose(1, 2).contiguous()  # [E, hidden, 2 * inter]
             self.w2_t = w2.transpose(1, 2).contiguous()  # [E, inter, hidden]
 

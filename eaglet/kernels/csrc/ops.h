@@ -69,6 +69,10 @@ void write_block_entries(at::Tensor req_to_token, const at::Tensor& blocks, int6
 std::string tile_backend();
 at::Tensor amx_pack_weight(const at::Tensor& weight);
 
+// gemm_f32.cpp: float32 GEMMs on weights in 8-column panels, each output one chain over k.
+at::Tensor f32_pack_weight(const at::Tensor& weight);
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias);
+
 // linear.cpp
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                       bool widened = false);
