@@ -70,7 +70,6 @@ def _both_paths(llm: LLM, batch: ForwardBatch):
     model, decoder, cache = llm.engine.model, _decoder(llm), llm.engine.cache
     backend = CpuMLAAttention(cache)
     assert decoder.decoder_stack is not None
-    assert backend.absorbed_inputs(batch) is not None
     before = cache.target.kv.clone()
     stack = decoder.decoder_stack
     with torch.inference_mode():
@@ -176,22 +175,25 @@ def test_greedy_ids_forward_gives_the_argmax_of_the_logits_forward(llm, new_lens
         _free(llm, batch)
 
 
-def test_prefill_and_autograd_take_the_layer_path(llm):
+def test_ragged_prefill_matches_the_layer_path(llm):
+    """Prefill chunks run on the stack too: a new prompt, and a prompt's second chunk after 5 cached tokens."""
+    batch = _batch(llm, [0, 5], [6, 3], mode=ForwardMode.EXTEND, capture_layers=(1,))
+    try:
+        _assert_same(*_both_paths(llm, batch))
+    finally:
+        _free(llm, batch)
+
+
+def test_autograd_takes_the_layer_path(llm):
     decoder, cache = _decoder(llm), llm.engine.cache
     backend = CpuMLAAttention(cache)
-    prefill = _batch(llm, [0, 0], [6, 3], mode=ForwardMode.EXTEND)
     decode = _batch(llm, [7], [1])
     try:
-        hidden = torch.zeros(prefill.num_tokens, decoder.config.hidden_size, dtype=torch.bfloat16)
-        cos, sin = decoder.rotary.cos_sin_as(prefill.positions, hidden.dtype)
-        with torch.inference_mode():
-            assert decoder.decoder_stack.forward(hidden, cos, sin, prefill, backend, []) is None
-        hidden = hidden[:1]
+        hidden = torch.zeros(1, decoder.config.hidden_size, dtype=torch.bfloat16)
         cos, sin = decoder.rotary.cos_sin_as(decode.positions, hidden.dtype)
         with torch.enable_grad():
             assert decoder.decoder_stack.forward(hidden, cos, sin, decode, backend, []) is None
     finally:
-        _free(llm, prefill)
         _free(llm, decode)
 
 
@@ -288,14 +290,14 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
         assert torch.equal(fused.logits, layered.logits)
         assert torch.equal(fused.hidden_out, layered.hidden_out)
         assert torch.equal(fused_kv, worker.pool.kv)
-        fused_calls.append(backend.absorbed_inputs(batch) is not None)
+        fused_calls.append(batch.mode)
         return fused
 
     draft.forward = both_paths
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 2 * i))} for i in range(3)]
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 10 for out in outputs)
-    assert sum(fused_calls) >= 3 and not all(fused_calls)  # step batches fused, prefill extends not
+    assert ForwardMode.EXTEND in fused_calls and len(set(fused_calls)) >= 2  # prefill extends and step batches
 
 
 @pytest.mark.parametrize("topk", [1, 2])
@@ -304,8 +306,7 @@ def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
     between rounds) runs both ways from the same cache: DecoderStack.extend_proposals, and
     Eagle3Draft.forward with the argmax (top-1) or the top-k log-probabilities of its logits. The
     same proposals, scores, fed-back hidden and draft latents in the requests' state rows (and no
-    other row touched); prefill extends (attended decompressed) take the forward. Output = plain
-    decoding."""
+    other row touched); prefill extends included. Output = plain decoding."""
     target = echo_text_target(tmp_path / "target", alpha=0.5, dtype=torch.bfloat16)
     draft_path = echo_draft(target, tmp_path / "draft", kind="mla")
     llm = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True, speculative_algorithm="EAGLE3",
@@ -352,7 +353,7 @@ def test_draft_extend_in_one_call_matches_the_draft_forward(tmp_path, topk):
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     got = [out.token_ids for out in llm.generate(prompts, params)]
     fused_lens = {n for fused, n in extends if fused}
-    assert {2} <= fused_lens and max(fused_lens) > 2 and not all(fused for fused, _ in extends)  # catch-ups, rounds; not prefill
+    assert {2} <= fused_lens and max(fused_lens) > 2 and all(fused for fused, _ in extends)  # catch-ups, rounds, prefill
     assert any(gathered) and not all(gathered)  # rounds' commits gather their features in the call
     plain = LLM(str(target), dtype="bfloat16", show_progress=False, cpu_kernels=True)
     assert got == [out.token_ids for out in plain.generate(prompts, params)]

@@ -40,10 +40,10 @@ class StackDrafter:
             )
         return self._head
 
-    def _rope_table(self, hidden: torch.Tensor, positions: int, rows: int) -> torch.Tensor | None:
-        """The draft's rotary table of at least ``positions`` rows, or None where a call of ``rows``
-        tokens would not run on the stack."""
-        if not self._has_head() or not self.stack.takes(self.attention, rows, hidden.dtype):
+    def _rope_table(self, hidden: torch.Tensor, positions: int) -> torch.Tensor | None:
+        """The draft's rotary table of at least ``positions`` rows, or None where a call on ``hidden``
+        would not run on the stack."""
+        if not self._has_head() or not self.stack.takes(self.attention, hidden.dtype):
             return None
         return self.draft.rotary.table_as(positions, torch.bfloat16)
 
@@ -53,7 +53,7 @@ class StackDrafter:
     ) -> None:
         table = None
         if self._has_head() and self.stack.extends and batch.input_embeds is None and features.shape[-1] == self.draft.fc.in_features:
-            table = self._rope_table(features, max(batch.seq_lens_cpu), batch.num_tokens)
+            table = self._rope_table(features, max(batch.seq_lens_cpu))
         if table is None:
             self.fallback.extend(batch, features, rows, feature_rows, timed)
             return
@@ -70,7 +70,7 @@ class StackDrafter:
     def chain(self, round_rows: RoundRows, length: int, final_ids: torch.Tensor | None) -> torch.Tensor:
         table = None
         if length > 1:
-            table = self._rope_table(self.states.hidden, max(round_rows.prefix) + length - 1, len(round_rows.rows))
+            table = self._rope_table(self.states.hidden, max(round_rows.prefix) + length - 1)
         if table is None:
             return self.fallback.chain(round_rows, length, final_ids)
         # Row indices prefix .. prefix + length - 2 get the steps' entries; step s reads < prefix + s.
@@ -83,7 +83,7 @@ class StackDrafter:
             )
 
     def tree(self, round_rows: RoundRows, steps: int, num_nodes: int, k: int) -> DraftTree:
-        table = self._rope_table(self.states.hidden, max(round_rows.prefix) + steps, len(round_rows.rows) * k)
+        table = self._rope_table(self.states.hidden, max(round_rows.prefix) + steps)
         if table is None:
             return self.fallback.tree(round_rows, steps, num_nodes, k)
         # Row indices prefix .. prefix + (steps - 1) * k - 1 get the steps' entries.

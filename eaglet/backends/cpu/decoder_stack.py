@@ -5,9 +5,8 @@ A small model's decode step is dominated by Python: about 20 op calls and 8 modu
 layer, each some microseconds, around kernels that take tens. The stack runs the same kernels the
 layers reach one by one (norms, MLA projections and attention, routing, SwiGLU, routed experts),
 on the same inputs and in the same order, from C++: the same bits (tests/test_decoder_stack.py).
-It applies where every matrix of every layer is in tile layout, to batches of at most
-PADDED_MAX_ROWS tokens that the CPU attention attends absorbed (decode, verify, draft extends),
-without autograd; other batches (prefill) run the layers one by one. It holds the tile copies the
+It applies where every matrix of every layer is in tile layout, to every batch without autograd
+(prefill chunks, decode, verify, draft extends); under autograd the layers run one by one. It holds the tile copies the
 weight methods made: inference never changes a weight in place afterwards (draft training runs
 under autograd, which takes the layers).
 """
@@ -19,7 +18,6 @@ import torch
 from eaglet.backends.base import LinearMethod
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.backends.cpu.weights import TileExperts, TileLinear, TileSwiGLU
-from eaglet.backends.pytorch.weights import PADDED_MAX_ROWS
 from eaglet.backends.stack import StackConfig, StackLayer
 from eaglet.runtime.forward_batch import ForwardBatch
 
@@ -82,13 +80,12 @@ class CpuDecoderStack:
         self.extends = False  # set_draft_head found fc in tile layout: extend_proposals can run
 
     @staticmethod
-    def takes(attention: object, rows: int, dtype: torch.dtype) -> bool:
-        """Whether a call over ``rows`` tokens of ``dtype`` runs here (else the layers run one by one)."""
-        return (isinstance(attention, CpuMLAAttention) and dtype == torch.bfloat16 and rows <= PADDED_MAX_ROWS
-                and not torch.is_grad_enabled())
+    def takes(attention: object, dtype: torch.dtype) -> bool:
+        """Whether a call on ``dtype`` hidden states runs here (else the layers run one by one)."""
+        return isinstance(attention, CpuMLAAttention) and dtype == torch.bfloat16 and not torch.is_grad_enabled()
 
     def _inputs(self, attention: object, hidden: torch.Tensor, batch: ForwardBatch) -> dict[str, torch.Tensor | None] | None:
-        if not self.takes(attention, batch.num_tokens, hidden.dtype):
+        if not self.takes(attention, hidden.dtype):
             return None
         return attention.absorbed_inputs(batch)
 

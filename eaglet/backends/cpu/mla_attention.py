@@ -1,7 +1,11 @@
 """MLA attention in eaglet's C++ kernels: the absorbed form in one call per layer
 (``torch.ops.eaglet.mla_absorbed_attention``), which reads each request's latents straight from
 the paged cache and computes every token on its own, with no padding; the new tokens' latents go
-into the pool in one call too (``mla_cache_write``)."""
+into the pool in one call too (``mla_cache_write``).
+
+Every batch attends absorbed, prefill included: a token's keys are then read from the cache in
+the same form and order whether they were written by this chunk, an earlier one or another
+request (a prefix-cache hit), so its result does not depend on how its prompt was split."""
 
 from __future__ import annotations
 
@@ -11,9 +15,6 @@ import torch
 
 from eaglet.backends.pytorch.mla_attention import MLALayer, TorchMLAAttention
 from eaglet.runtime.forward_batch import ForwardBatch
-
-# Extends with at least this many cached keys per new token attend absorbed (see _attends_absorbed).
-ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN = 4
 
 
 class AttentionMetadata(NamedTuple):
@@ -26,18 +27,13 @@ class AttentionMetadata(NamedTuple):
 
 
 class CpuMLAAttention(TorchMLAAttention):
-    """TorchMLAAttention with the absorbed form and the cache write in the kernels. EXTEND
-    batches keep the decompressed form unless they add few tokens to many cached ones."""
+    """TorchMLAAttention with the absorbed form, for every batch, and the cache write in the kernels."""
 
     def _write(self, layer: MLALayer, batch: ForwardBatch, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         torch.ops.eaglet.mla_cache_write(self.pool.kv[layer.layer_id], batch.out_cache_loc, c_kv, k_pe)
 
     def _attends_absorbed(self, batch: ForwardBatch) -> bool:
-        # An extend of a few tokens against many cached ones (the draft's extend after each verify)
-        # attends absorbed too: decompressing every cached latent costs more there.
-        return super()._attends_absorbed(batch) or all(
-            n * ABSORBED_EXTEND_KEYS_PER_NEW_TOKEN <= s for n, s in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu)
-        )
+        return True
 
     def _absorbed(
         self, layer: MLALayer, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch
@@ -50,12 +46,9 @@ class CpuMLAAttention(TorchMLAAttention):
             metadata.token_starts, metadata.custom_mask, layer.scaling, w_uk_packed, w_uv_packed,
         )
 
-    def absorbed_inputs(self, batch: ForwardBatch) -> dict[str, torch.Tensor | None] | None:
-        """What the C++ decoder stack takes for a batch this attention attends absorbed, by name:
-        the pool's cache kv [layers, slots, L + R], out_cache_loc, and the AttentionMetadata; None
-        for a batch it attends decompressed."""
-        if not self._attends_absorbed(batch):
-            return None
+    def absorbed_inputs(self, batch: ForwardBatch) -> dict[str, torch.Tensor | None]:
+        """What the C++ decoder stack takes for a batch, by name: the pool's cache kv
+        [layers, slots, L + R], out_cache_loc, and the AttentionMetadata."""
         return {"kv": self.pool.kv, "out_cache_loc": batch.out_cache_loc, **self._attention_metadata(batch)._asdict()}
 
     def _attention_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
