@@ -41,6 +41,7 @@ def machine_info() -> dict:
         "mkl": torch.backends.mkl.is_available(),
         "mkldnn": torch.backends.mkldnn.is_available(),
         "tile_backend": kernels.tile_backend(),  # what eaglet's bfloat16 GEMM kernels run on
+        "kernels_unavailable": kernels.unavailable_reason(),  # eaglet then runs PyTorch ops: say why
         "mem_total_gib": _mem_total_gib(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
         "eaglet_git": _git_describe(),

@@ -28,6 +28,8 @@ def print_table(record: dict) -> None:
           f"at most {record['args']['max_repeats']}) ===")
     machine = record.get("machine", {})
     print(f"cpu {machine.get('cpu_model')}, bfloat16 tile kernels on {machine.get('tile_backend') or 'none'}")
+    if machine.get("kernels_unavailable"):
+        print(f"eaglet ran PyTorch ops, its CPU kernels unavailable: {machine['kernels_unavailable']}")
     if record.get("bandwidth"):
         print(f"memory read bandwidth {record['bandwidth']['read_gbps']:.1f} GB/s")
     print(HEADER)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from eaglet import kernels
 from eaglet.engine.engine import Engine
 from eaglet.server.step_tally import StepTally
 
@@ -42,6 +43,9 @@ class EngineSnapshot:
     prefix_hit_tokens: int
     prefix_lookup_tokens: int
     spec: SpecSnapshot | None
+    backend: str  # what computes: "cpu" (eaglet's kernels) or "pytorch"
+    tile_backend: str  # what the kernels' bfloat16 GEMMs run on ("amx", "avx512_bf16", "avx2"), or ""
+    fallback_reason: str  # why the engine runs PyTorch ops instead of the kernels, or ""
 
     @property
     def cache_usage(self) -> float:
@@ -64,6 +68,9 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         prefix_hit_tokens=prefix_cache.hit_tokens if prefix_cache is not None else 0,
         prefix_lookup_tokens=prefix_cache.lookup_tokens if prefix_cache is not None else 0,
         spec=spec,
+        backend=engine.backend.name,
+        tile_backend=kernels.tile_backend() or "" if engine.backend.name == "cpu" else "",
+        fallback_reason=engine.backend.fallback_reason or "",
     )
 
 
@@ -88,6 +95,11 @@ class _EngineStateCollector(Collector):
             family.add_metric(values, value)
             return family
 
+        info = GaugeMetricFamily("eaglet:backend_info", "What computes (1): the backend, the kernels' tile GEMM, and "
+                                 "why the engine fell back to PyTorch ops if it did.",
+                                 labels=labels + ["backend", "tile_backend", "fallback_reason"])
+        info.add_metric(values + [s.backend, s.tile_backend, s.fallback_reason], 1)
+        yield info
         yield gauge("eaglet:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("eaglet:num_requests_waiting", "Requests waiting to be admitted.", s.num_waiting)
         yield gauge("eaglet:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).", s.cache_usage)
