@@ -49,7 +49,8 @@ inline float scale_mask_max(float* p, const float* raw, const bool* visible, int
 }
 
 // out[r][0:n] = sum over j of coef[r][j] * terms[j][0:n], for NR rows at once: the sum runs over
-// j in order with one fused multiply-add per term, so a row's result does not depend on NR.
+// j in order with one fused multiply-add per term (AVX-512 or AVX2; a multiply and an add
+// portably), so a row's result does not depend on NR.
 template <int NR, typename C, typename B>
 inline void combine_rows(float* const* out, const C* const* coef, const B* const* terms, int64_t num_terms, int64_t n) {
 #if defined(__AVX512F__)
@@ -74,6 +75,33 @@ inline void combine_rows(float* const* out, const C* const* coef, const B* const
     }
     for (int v = 0; v < kChunk && masks[v]; ++v) {
       for (int r = 0; r < NR; ++r) _mm512_mask_storeu_ps(out[r] + c0 + v * kLanes, masks[v], acc[r][v]);
+    }
+  }
+#elif defined(EAGLET_VEC_AVX2)
+  constexpr int kChunk = 8 / NR, kWidth = 8;  // vectors of 8 per row held in registers: 8 accumulators
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk * kWidth) {
+    const int vectors = static_cast<int>(std::min<int64_t>(kChunk, (n - c0 + kWidth - 1) / kWidth));
+    __m256 acc[NR][kChunk];
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < kChunk; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < num_terms; ++j) {
+      const B* term = terms[j] + c0;
+      __m256 a[NR];
+      for (int r = 0; r < NR; ++r) a[r] = _mm256_set1_ps(to_float(coef[r][j]));
+      for (int v = 0; v < vectors; ++v) {
+        const __m256 t = load8(term + v * kWidth, n - c0 - v * kWidth);
+        for (int r = 0; r < NR; ++r) acc[r][v] = _mm256_fmadd_ps(a[r], t, acc[r][v]);
+      }
+    }
+    for (int v = 0; v < vectors; ++v) {
+      const int64_t left = n - c0 - v * kWidth;
+      for (int r = 0; r < NR; ++r) {
+        if (left >= kWidth) {
+          _mm256_storeu_ps(out[r] + c0 + v * kWidth, acc[r][v]);
+        } else {
+          _mm256_maskstore_ps(out[r] + c0 + v * kWidth, store_mask(left), acc[r][v]);
+        }
+      }
     }
   }
 #else
