@@ -176,7 +176,7 @@ def test_router_rejects_a_top_k_beyond_the_kept_experts():
         router(torch.randn(2, 96))
 
 
-# ---- bfloat16 GEMMs in AMX tile layout and routed experts---------------------------------------------
+# ---- bfloat16 GEMMs in tile layout and routed experts----------------------------------------------------
 
 tile_kernels = pytest.mark.skipif(kernels.tile_backend() is None, reason="the kernels' build has no tile GEMM here")
 
@@ -201,6 +201,31 @@ def test_amx_linear_matches_f_linear_and_gives_a_row_the_same_bits_at_any_row_co
         # Logits: the same bfloat16 values, written as float32 by the kernel.
         logits = tiled.logits(x)
         assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
+
+
+@tile_kernels
+@pytest.mark.parametrize(("out_features", "in_features"), [(200, 300), (176, 64)])
+def test_tile_gemm_gives_a_row_the_same_bits_alone_or_among_up_to_40_rows(out_features, in_features):
+    """A row's products are one chain per output in k order from zero, whatever register block of
+    rows it lands in (AVX2 takes 4 rows at a time and 1-3 at the end): the row alone, and at each
+    place of a 4-row block or last among 1-40 other rows, gives the same bits, within float32
+    accumulation and one bfloat16 rounding of the float64 product. The shapes end k inside a tile and the
+    columns inside a group of 64 (1 and 3 blocks of 16 left)."""
+    g = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    packed = torch.ops.eaglet.amx_pack_weight(weight)
+    rows = torch.randn(41, in_features, generator=g).bfloat16()
+    row = rows[0:1]
+    with torch.inference_mode():
+        alone = torch.ops.eaglet.amx_linear(row, packed, out_features, None, True)[0]
+        for others in range(1, 41):
+            for at in (others % 4, others):  # each place in a block of 4 rows, and among the last rows
+                batch = torch.cat([rows[1 : 1 + at], row, rows[1 + at : 1 + others]])
+                got = torch.ops.eaglet.amx_linear(batch, packed, out_features, None, True)
+                assert torch.equal(got[at], alone), (others, at)
+    reference = row.double() @ weight.double().t()
+    # float32 sums of in_features products: far below a bfloat16 step of the largest output.
+    torch.testing.assert_close(alone.double(), reference[0], rtol=2**-8, atol=2**-8 * reference.abs().max().item())
 
 
 @tile_kernels
@@ -322,10 +347,10 @@ DIMS = {"deepseek": (512, 64, 64, 64), "demo": (48, 24, 8, 24)}
 
 class _Layer:
     """The attributes of MLAAttention that attention reads, at the per-head sizes of ``dims``.
-    ``amx``: with the tile copies of W_UK / W_UV the CPU backend makes for bfloat16 models
+    ``tiles``: with the tile copies of W_UK / W_UV the CPU backend makes for bfloat16 models
     (the weights are then bfloat16 values, as those taken from a bfloat16 kv_b_proj are)."""
 
-    def __init__(self, heads: int = 8, seed: int = 0, amx: bool = False, dims: str = "deepseek"):
+    def __init__(self, heads: int = 8, seed: int = 0, tiles: bool = False, dims: str = "deepseek"):
         g = torch.Generator().manual_seed(seed)
         latent, nope, rope, value = DIMS[dims]
         self.layer_id, self.num_heads, self.kv_lora_rank = 0, heads, latent
@@ -334,7 +359,7 @@ class _Layer:
         self.w_uv_t = torch.randn(heads, latent, value, generator=g) / (20 * (latent / 512)**0.5)
         self.scaling = (nope + rope)**-0.5
         self.absorbed_projections: tuple[torch.Tensor, ...] = ()
-        if amx:
+        if tiles:
             self.w_uk, self.w_uv_t = self.w_uk.bfloat16().float(), self.w_uv_t.bfloat16().float()
             pack = torch.ops.eaglet.amx_pack_weight
             self.absorbed_projections = (torch.stack([pack(w.t().bfloat16().contiguous()) for w in self.w_uk]),
@@ -345,9 +370,12 @@ def _has_tile_kernels() -> bool:
     return kernels.tile_backend() is not None
 
 
-# float32 projections, and (bfloat16 queries where the tile kernels run) the AMX-layout ones
-PROJECTIONS = [pytest.param(False, id="fp32-projections"),
-               pytest.param(True, id="amx-projections", marks=pytest.mark.skipif(not _has_tile_kernels(), reason="CPU without AMX or AVX512-BF16"))]
+# (query and cache dtype, tile projections): float32 projections for both dtypes, and where the tile
+# kernels run the tile-layout ones, which take bfloat16 queries
+needs_tiles = pytest.mark.skipif(not _has_tile_kernels(), reason="the kernels' build has no tile GEMM here")
+PROJECTIONS = [pytest.param(torch.float32, False, id="float32-fp32-projections"),
+               pytest.param(torch.bfloat16, False, id="bfloat16-fp32-projections"),
+               pytest.param(torch.bfloat16, True, id="bfloat16-tile-projections", marks=needs_tiles)]
 
 
 def _cache(dtype: torch.dtype, seed: int = 0, dims: str = "deepseek") -> KVCacheManager:
@@ -384,14 +412,11 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("amx", PROJECTIONS)
+@pytest.mark.parametrize(("dtype", "tiles"), PROJECTIONS)
 @pytest.mark.parametrize("dims", list(DIMS))
-def test_mla_attention_matches_pytorch(name, dtype, amx, dims):
-    if amx and dtype != torch.bfloat16:
-        pytest.skip("the AMX projections take bfloat16 queries")
+def test_mla_attention_matches_pytorch(name, dtype, tiles, dims):
     prefix_lens, new_lens = SHAPES[name]
-    cache, layer = _cache(dtype, dims=dims), _Layer(amx=amx, dims=dims)
+    cache, layer = _cache(dtype, dims=dims), _Layer(tiles=tiles, dims=dims)
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):
         cache.grow(r, p)
@@ -402,7 +427,7 @@ def test_mla_attention_matches_pytorch(name, dtype, amx, dims):
         got = CpuMLAAttention(cache)._absorbed(layer, q_nope, q_pe, batch)
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 4e-3}
-    if amx:  # q_latent, the probabilities and o rounded to bfloat16 for the tiles: three bfloat16 steps more
+    if tiles:  # q_latent, the probabilities and o rounded to bfloat16 for the tiles: three bfloat16 steps more
         tolerance = {"rtol": 2e-2, "atol": 1.5e-2}
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
@@ -433,15 +458,12 @@ def test_mla_attention_with_a_tree_mask_matches_pytorch(dtype):
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("amx", PROJECTIONS)
+@pytest.mark.parametrize(("dtype", "tiles"), PROJECTIONS)
 @pytest.mark.parametrize("dims", list(DIMS))
-def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx, dims):
+def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, tiles, dims):
     """Every token of a ragged verify batch equals, bit for bit, the same token attended alone as a
     decode step over the keys it sees: what lossless greedy speculation needs, with no padding."""
-    if amx and dtype != torch.bfloat16:
-        pytest.skip("the AMX projections take bfloat16 queries")
-    cache, layer = _cache(dtype, seed=5, dims=dims), _Layer(amx=amx, dims=dims)
+    cache, layer = _cache(dtype, seed=5, dims=dims), _Layer(tiles=tiles, dims=dims)
     prefix_lens, new_lens = [9, 40, 23], [3, 5, 1]
     rows = [cache.alloc_row() for _ in prefix_lens]
     for r, p in zip(rows, prefix_lens):
@@ -462,14 +484,15 @@ def test_mla_attention_gives_each_token_the_bits_it_gets_alone(dtype, amx, dims)
                 token += 1
 
 
-@pytest.mark.parametrize("amx", PROJECTIONS)
+@pytest.mark.parametrize("tiles", [pytest.param(False, id="fp32-projections"),
+                                   pytest.param(True, id="tile-projections", marks=needs_tiles)])
 @pytest.mark.parametrize("dims", list(DIMS))
-def test_mla_attention_gives_a_tree_node_the_bits_of_its_path_decoded_alone(amx, dims):
+def test_mla_attention_gives_a_tree_node_the_bits_of_its_path_decoded_alone(tiles, dims):
     """A node of a verified tree equals, bit for bit, its own token decoded after the committed
     prefix and its ancestors laid out one after another: greedy tree speculation then reproduces
     plain decoding (keys the node does not see must not change its sums)."""
     dtype = torch.bfloat16
-    cache, layer = _cache(dtype, seed=9, dims=dims), _Layer(amx=amx, dims=dims)
+    cache, layer = _cache(dtype, seed=9, dims=dims), _Layer(tiles=tiles, dims=dims)
     prefix, parents = 13, [-1, 0, 0, 1, 2, 1, 4]
     tree = len(parents)
     row = cache.alloc_row()

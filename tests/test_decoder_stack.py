@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not _has_tile_kernels(), reason="the decoder sta
 
 CONFIGS = {
     "q-lora": {},
-    "amx-projections": {"kv_lora_rank": 64, "v_head_dim": 64, "qk_nope_head_dim": 16},
+    "tile-projections": {"kv_lora_rank": 64, "v_head_dim": 64, "qk_nope_head_dim": 16},
     "no-q-lora-with-bias": {"q_lora_rank": None, "attention_bias": True},
     "dense-only": {"first_k_dense_replace": 3},
 }

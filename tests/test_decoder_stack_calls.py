@@ -1,6 +1,6 @@
 """DecoderStack's calls by name (torch.classes.eaglet.DecoderStack): each method takes its
 arguments as keywords and hands them, gathered into its structs, to the checks it runs before any
-tile-layout kernel. So this runs wherever the kernels build, AMX and AVX512-BF16 or not; the stack's
+tile-layout kernel. So this runs wherever the kernels build, with a tile GEMM or without; the stack's
 results are tests/test_decoder_stack.py's."""
 
 import pytest

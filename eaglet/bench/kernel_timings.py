@@ -122,7 +122,7 @@ def main() -> int:
             bench_linear(args.reps)
             bench_experts(args.reps)
         else:
-            print("amx_linear / routed experts: this CPU has neither AMX nor AVX512-BF16, the kernels are not used")
+            print("amx_linear / routed experts: this build has no tile GEMM (AMX, AVX512-BF16 or AVX2), the kernels are not used")
         bench_attention(args.reps)
     return 0
 

@@ -58,8 +58,8 @@ class EngineConfig:
     # Per decode step, draft less deeply or not at all where measured costs say the configured
     # shape would give fewer tokens/s than that (see eaglet/spec/policy.py).
     speculative_adaptive: bool = True
-    # Fused C++ CPU kernels (eaglet/kernels: norms, rotary, routing, attention, and on AMX or
-    # AVX512-BF16 the bfloat16 GEMMs and experts), built on first use; where they cannot be built
+    # Fused C++ CPU kernels (eaglet/kernels: norms, rotary, routing, attention, and on AMX,
+    # AVX512-BF16 or AVX2 the bfloat16 GEMMs and experts), built on first use; where they cannot be built
     # the engine logs why and runs the PyTorch ops.
     cpu_kernels: bool = True
 

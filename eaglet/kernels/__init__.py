@@ -12,8 +12,9 @@ cache blocks) and ``scratch_slots`` (a round's slots), ``rope_query_key``, ``noa
 ``tile_backend()`` names one, ``amx_linear`` (bfloat16 GEMMs on weights in AMX tile layout),
 ``amx_linear_argmax`` (an lm_head's greedy ids without its logits), ``amx_swiglu`` and
 ``moe_routed_experts`` (all routed experts in one call). The tile-layout kernels multiply on AMX
-tiles, or with AVX512-BF16 dot products on CPUs without AMX (AMD Zen 4 and later): the same
-layout and the same per-row order of products, so a row's bits do not depend on its batch. Each
+tiles, with AVX512-BF16 dot products on CPUs without AMX (AMD Zen 4 and later), or with float32
+FMAs on the weights widened in registers on AVX2-only CPUs: the same layout and one product chain
+per output in k order, so a row's bits do not depend on its batch. Each
 does in one call what the PyTorch fallback does in 5-40 ops, and computes every token
 independently of the rest of its batch. ``torch.classes.eaglet.DecoderStack`` runs a bfloat16
 model's decoder layers (or an MLA draft's midlayer) through those kernels in one call per forward,

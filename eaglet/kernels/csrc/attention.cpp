@@ -49,7 +49,8 @@ inline float scale_mask_max(float* p, const float* raw, const bool* visible, int
 }
 
 // out[r][0:n] = sum over j of coef[r][j] * terms[j][0:n], for NR rows at once: the sum runs over
-// j in order with one fused multiply-add per term, so a row's result does not depend on NR.
+// j in order with one fused multiply-add per term (AVX-512 or AVX2; a multiply and an add
+// portably), so a row's result does not depend on NR.
 template <int NR, typename C, typename B>
 inline void combine_rows(float* const* out, const C* const* coef, const B* const* terms, int64_t num_terms, int64_t n) {
 #if defined(__AVX512F__)
@@ -74,6 +75,33 @@ inline void combine_rows(float* const* out, const C* const* coef, const B* const
     }
     for (int v = 0; v < kChunk && masks[v]; ++v) {
       for (int r = 0; r < NR; ++r) _mm512_mask_storeu_ps(out[r] + c0 + v * kLanes, masks[v], acc[r][v]);
+    }
+  }
+#elif defined(EAGLET_VEC_AVX2)
+  constexpr int kChunk = 8 / NR, kWidth = 8;  // vectors of 8 per row held in registers: 8 accumulators
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk * kWidth) {
+    const int vectors = static_cast<int>(std::min<int64_t>(kChunk, (n - c0 + kWidth - 1) / kWidth));
+    __m256 acc[NR][kChunk];
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < kChunk; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < num_terms; ++j) {
+      const B* term = terms[j] + c0;
+      __m256 a[NR];
+      for (int r = 0; r < NR; ++r) a[r] = _mm256_set1_ps(to_float(coef[r][j]));
+      for (int v = 0; v < vectors; ++v) {
+        const __m256 t = load8(term + v * kWidth, n - c0 - v * kWidth);
+        for (int r = 0; r < NR; ++r) acc[r][v] = _mm256_fmadd_ps(a[r], t, acc[r][v]);
+      }
+    }
+    for (int v = 0; v < vectors; ++v) {
+      const int64_t left = n - c0 - v * kWidth;
+      for (int r = 0; r < NR; ++r) {
+        if (left >= kWidth) {
+          _mm256_storeu_ps(out[r] + c0 + v * kWidth, acc[r][v]);
+        } else {
+          _mm256_maskstore_ps(out[r] + c0 + v * kWidth, store_mask(left), acc[r][v]);
+        }
+      }
     }
   }
 #else
@@ -130,7 +158,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   std::vector<float>& query = query_buffer;
   std::vector<float>& o_latent = o_latent_buffer;
   std::vector<float>& o_value = o_value_buffer;
-  // With AMX copies of W_UK^T / W_UV per head (bfloat16 models), passes 1 and 3 run on tiles; their
+  // With tile copies of W_UK^T / W_UV per head (bfloat16 models), passes 1 and 3 run on tiles; their
   // bfloat16 weights are the checkpoint's kv_b_proj values exactly, and pass 3 rounds o to bfloat16
   // first, as the decompressed form's probs @ V does.
   const bool amx_projections = uk_packed.has_value() && uv_packed.has_value();
@@ -199,7 +227,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
   int64_t total_keys = 0;
   for (int64_t b = 0; b < requests; ++b) total_keys += lens[b] * (starts[b + 1] - starts[b]);
   const bool parallel_requests = total_keys * heads * 2 * qdim >= kParallelWork;
-  // With the AMX projections and a bfloat16 cache, q @ k^T and p @ c_kv run on tiles too, from
+  // With the tile projections and a bfloat16 cache, q @ k^T and p @ c_kv run on tiles too, from
   // queries and probabilities rounded to bfloat16 (as the decompressed form's matmuls take them).
   const bool amx_attention = amx_projections && std::is_same_v<KV, at::BFloat16>;
   at::parallel_for(0, requests * groups, parallel_requests ? 1 : requests * groups, [&](int64_t begin, int64_t end) {
@@ -229,7 +257,7 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
           prob_rows[r] = scores.data() + r * keys;
         }
       }
-#if defined(__AVX512BF16__)  // without it there are no tile copies, and amx_attention is false
+#if defined(EAGLET_TILES)  // without it there are no tile copies, and amx_attention is false
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (amx_attention) amx_key_scores(rows.data(), num_rows, keys_of.data(), keys, qdim, qstride, row_scores.data());
       }
@@ -278,11 +306,11 @@ void mla_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor
           for (int64_t s = 0; s < keys; ++s) p0[j * keys + s] *= inv_total;
         }
       }
-#if defined(__AVX512BF16__)
+#if defined(EAGLET_TILES)
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (amx_attention) amx_value_sums(scores.data(), num_rows, keys_of.data(), keys, latent, out_rows.data());
       }
-#endif
+#endif  // EAGLET_TILES
       if (!amx_attention) combine_all_rows(out_rows.data(), prob_rows.data(), keys_of.data(), num_rows, keys, latent);
     }
     if (amx_attention) release_tiles();
@@ -367,15 +395,15 @@ at::Tensor mla_absorbed_attention(const at::Tensor& q_nope, const at::Tensor& q_
   TORCH_CHECK(q_bf16 || qn.scalar_type() == at::kFloat, "mla_absorbed_attention: bfloat16 or float32 queries");
   TORCH_CHECK(kv_bf16 || kv.scalar_type() == at::kFloat, "mla_absorbed_attention: bfloat16 or float32 cache");
   c10::optional<at::Tensor> uk, uv;
-  if (w_uk_packed.has_value() != w_uv_packed.has_value()) TORCH_CHECK(false, "mla_absorbed_attention: both AMX copies or neither");
+  if (w_uk_packed.has_value() != w_uv_packed.has_value()) TORCH_CHECK(false, "mla_absorbed_attention: both tile copies or neither");
   if (w_uk_packed) {
     const int64_t heads = q_nope.size(1), nope = q_nope.size(2), latent = w_uk.size(2), value = w_uv_t.size(2);
     TORCH_CHECK(tile_kernels_supported() && q_bf16,
-                "mla_absorbed_attention: AMX-layout projections need AMX or AVX512-BF16 and bfloat16 queries");
-    TORCH_CHECK(latent % kTileN == 0, "mla_absorbed_attention: AMX projections need L a multiple of 16");
+                "mla_absorbed_attention: tile-layout projections need the tile GEMM and bfloat16 queries");
+    TORCH_CHECK(latent % kTileN == 0, "mla_absorbed_attention: tile projections need L a multiple of 16");
     TORCH_CHECK(w_uk_packed->dim() == 6 && w_uk_packed->size(0) == heads && w_uv_packed->dim() == 6 && w_uv_packed->size(0) == heads &&
                     w_uk_packed->is_contiguous() && w_uv_packed->is_contiguous(),
-                "mla_absorbed_attention: AMX copies are [H, ...] stacks of amx_pack_weight");
+                "mla_absorbed_attention: tile copies are [H, ...] stacks of amx_pack_weight");
     check_packed((*w_uk_packed)[0], nope, latent, "mla_absorbed_attention W_UK^T");
     check_packed((*w_uv_packed)[0], latent, value, "mla_absorbed_attention W_UV");
     uk = w_uk_packed;

@@ -2,7 +2,7 @@
 // queries (or the probabilities) packed into tiles, multiplied by amx_group / amx_blocks_by_group.
 #include "attention_tiles.h"
 
-#if defined(__AVX512BF16__)
+#if defined(EAGLET_TILES)
 
 #include "vec.h"
 
@@ -21,6 +21,7 @@ void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat
   key_rows.resize(4 * kTileRows * kp);
   // Block (qb, kb) holds 16 (k pair) x 16 (query) x 2: query r's pair p of block kb is dword
   // p * 16 + r % 16 of that block.
+#if defined(__AVX512BF16__)
   const __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                   _mm512_set1_epi32(kTileN));
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -31,6 +32,18 @@ void amx_key_scores(const float* const* rows, int64_t num_rows, const at::BFloat
       _mm512_i32scatter_epi32(block + r % kTileN, pair_offsets, pairs, 4);
     }
   }
+#else
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      const float* x = rows[r] + kb * kTileK;
+      at::BFloat16* block = q_packed.data() + ((r / kTileN) * k_blocks + kb) * block_elems;
+      for (int64_t p = 0; p < kTileK / 2; ++p) {
+        block[(p * kTileN + r % kTileN) * 2] = at::BFloat16(x[2 * p]);
+        block[(p * kTileN + r % kTileN) * 2 + 1] = at::BFloat16(x[2 * p + 1]);
+      }
+    }
+  }
+#endif
   // Keys s0 .. s0 + 15 as 16 rows of kp values: in place where the cache holds them one after
   // another at that width, else copied into buffer `slot` (zero past the key and the last key).
   auto key_chunk = [&](int64_t s0, int64_t slot) -> const at::BFloat16* {
@@ -99,8 +112,10 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
   assign_zeros(zeros, latent);
   v_packed.resize(4 * k_blocks * block_elems);
   c.resize(num_rows * kGroupN);
+#if defined(__AVX512BF16__)
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#endif
   for (int64_t g = 0; g * 4 < n_blocks; ++g) {
     const int64_t group_blocks = std::min<int64_t>(4, n_blocks - g * 4), width = group_blocks * kTileN;
     // The group's blocks (nb, kb), written in order (stores a block apart thrash L1's sets): row
@@ -112,10 +127,20 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
       for (int64_t s = 0; s < kp; s += 2, dst += 2 * kTileN) {
         const at::BFloat16* v0 = s < keys ? keys_of[s] : zeros.data();
         const at::BFloat16* v1 = s + 1 < keys ? keys_of[s + 1] : zeros.data();
+#if defined(__AVX512BF16__)
         const __m512i both = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + column))),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + column)), 1);
         _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+#else
+        // Columns 0-7 then 8-15 of the two keys, interleaved by 16-bit unpacks.
+        for (int64_t half = 0; half < 2; ++half) {
+          const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + column + half * 8));
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v1 + column + half * 8));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + half * 16), _mm_unpacklo_epi16(a, b));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + half * 16 + 8), _mm_unpackhi_epi16(a, b));
+        }
+#endif
       }
     }
     amx_group(p_pad.data(), num_rows, kp, v_packed.data(), k_blocks, c.data(), kGroupN, group_blocks);
@@ -125,4 +150,4 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
 
 }  // namespace eaglet
 
-#endif  // __AVX512BF16__
+#endif  // EAGLET_TILES

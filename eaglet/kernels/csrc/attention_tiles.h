@@ -1,10 +1,10 @@
 // Absorbed attention's products on the tile-layout GEMM (attention_tiles.cpp), where the build has
-// AVX512-BF16 (AMX or not): a bfloat16 cache's scores q . k and sums p . c_kv.
+// one (EAGLET_TILES): a bfloat16 cache's scores q . k and sums p . c_kv.
 #pragma once
 
 #include "gemm.h"
 
-#if defined(__AVX512BF16__)
+#if defined(EAGLET_TILES)
 
 namespace eaglet {
 
@@ -25,4 +25,4 @@ void amx_value_sums(const float* probs, int64_t num_rows, const at::BFloat16* co
 
 }  // namespace eaglet
 
-#endif  // __AVX512BF16__
+#endif  // EAGLET_TILES

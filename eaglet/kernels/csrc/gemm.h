@@ -1,9 +1,11 @@
 // The tile-layout GEMM: bfloat16 weights packed by amx_pack_weight (gemm_pack.cpp) into blocks of
-// 16 output columns x 32 k, multiplied on AMX tiles (gemm_amx.cpp) or, on CPUs without AMX (AMD
-// Zen 4 and later), with AVX512-BF16 dot products (gemm_avx512_bf16.cpp): the same layout and the
-// same per-row order of products, so a row's bits do not depend on its batch. -march=native
-// compiles exactly one of those two in; without AVX512-BF16, gemm_portable.cpp stands in and the
-// tile-layout kernels are unsupported (tile_backend() is empty: the models keep oneDNN or F.linear).
+// 16 output columns x 32 k, multiplied on AMX tiles (gemm_amx.cpp), with AVX512-BF16 dot products
+// on CPUs without AMX (AMD Zen 4 and later, gemm_avx512_bf16.cpp), or with float32 FMAs on the
+// weights widened in registers on AVX2-only CPUs (gemm_avx2.cpp): the same layout and one product
+// chain per output in k order, so a row's bits do not depend on its batch. -march=native compiles
+// exactly one of those in (EAGLET_TILES says some is); without AVX2 and FMA, gemm_portable.cpp
+// stands in and the tile-layout kernels are unsupported (tile_backend() is empty: the models keep
+// oneDNN or F.linear).
 #pragma once
 
 #include "common.h"
@@ -11,9 +13,14 @@
 #include <algorithm>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define EAGLET_TILES 1
 #define EAGLET_TILES_AMX 1
 #elif defined(__AVX512BF16__)
+#define EAGLET_TILES 1
 #define EAGLET_TILES_AVX512_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EAGLET_TILES 1
+#define EAGLET_TILES_AVX2 1
 #endif
 
 namespace eaglet {
@@ -22,11 +29,11 @@ namespace eaglet {
 // the 4 accumulator tiles of one pass cover a group of 64 output columns.
 constexpr int64_t kTileRows = 16, kTileK = 32, kTileN = 16, kGroupN = 4 * kTileN;
 
-// This build's tile backend: "amx", "avx512_bf16", or "" for none (defined by its gemm_*.cpp).
+// This build's tile backend: "amx", "avx512_bf16", "avx2", or "" for none (defined by its gemm_*.cpp).
 extern const char* const kTileBackend;
 // Whether the OS lets this process use the backend.
 bool tiles_permitted();
-// The tile-layout kernels run here: on AMX tiles, or on AVX512-BF16 dot products without AMX.
+// The tile-layout kernels run here: on AMX tiles, AVX512-BF16 dot products or AVX2 FMAs.
 bool tile_kernels_supported();
 
 // Each thread that multiplies on tiles configures them first and releases them after.
@@ -53,16 +60,16 @@ void check_packed(const at::Tensor& packed, int64_t k, int64_t n, const char* wh
 // x's rows zero-padded to whole tiles ([ceil(rows / 16) * 16, k_blocks * 32]) in a buffer of this thread.
 const at::BFloat16* padded_tiles(const at::Tensor& x, int64_t k_blocks, std::vector<at::BFloat16>& buffer);
 
-// Whether a GEMM pays for each of its rows (dot products) rather than for whole 16-row tiles (AMX).
-#if defined(EAGLET_TILES_AVX512_BF16)
+// Whether a GEMM pays for each of its rows (dot products, FMAs) rather than for whole 16-row tiles (AMX).
+#if defined(EAGLET_TILES_AVX512_BF16) || defined(EAGLET_TILES_AVX2)
 constexpr bool kProductsPerRow = true;
 #else
 constexpr bool kProductsPerRow = false;
 #endif
 
 // Parallel over threads once a GEMM's products pay for the pool's wake-up (a few us). AMX multiplies
-// a 16-row tile for the price of one row, so there rows count in whole tiles; AVX512-BF16 pays for
-// every row, so smaller GEMMs split there.
+// a 16-row tile for the price of one row, so there rows count in whole tiles; AVX512-BF16 and AVX2
+// pay for every row, so smaller GEMMs split there.
 inline bool worth_threads(int64_t m, int64_t n, int64_t k) {
   if constexpr (kProductsPerRow) return n * k * m >= (int64_t{1} << 18);
   return n * k * std::max<int64_t>(m, kTileRows) >= (int64_t{1} << 22);

@@ -1,9 +1,9 @@
-// No tile-layout GEMM: without AVX512-BF16, tile_backend() is empty, every tile-layout kernel
-// refuses to run (tile_kernels_supported()), and the models multiply with oneDNN or F.linear. A
-// GEMM on the same layout for another instruction set (AVX2, say) would take this file's place.
+// No tile-layout GEMM: without AVX2 and FMA (or off x86), tile_backend() is empty, every
+// tile-layout kernel refuses to run (tile_kernels_supported()), and the models multiply with oneDNN
+// or F.linear. A GEMM on the same layout for another instruction set would take this file's place.
 #include "gemm.h"
 
-#if !defined(EAGLET_TILES_AMX) && !defined(EAGLET_TILES_AVX512_BF16)
+#if !defined(EAGLET_TILES)
 
 namespace eaglet {
 
@@ -24,4 +24,4 @@ void amx_blocks_by_group(const at::BFloat16* const*, const int64_t*, int64_t, in
 
 }  // namespace eaglet
 
-#endif  // neither AMX nor AVX512-BF16
+#endif  // no tile-layout GEMM

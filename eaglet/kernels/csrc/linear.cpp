@@ -22,7 +22,7 @@ struct AmxLinearInputs {
 
   AmxLinearInputs(const at::Tensor& x_, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias, const char* op)
       : x(x_) {
-    TORCH_CHECK(tile_kernels_supported(), op, ": this CPU or build has neither AMX nor AVX512-BF16");
+    TORCH_CHECK(tile_kernels_supported(), op, ": this CPU or build has no tile-layout GEMM");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": bfloat16 x [M, K]");
     check_packed(packed, x.size(1), n, op);
     if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, op, ": bfloat16 bias [N]");
@@ -104,7 +104,7 @@ struct RunningArgmax {
 
 // x [M, K] @ W^T with W packed by amx_pack_weight, out bfloat16 [M, N] (+ bias). Each output row
 // comes from its own tile row: its bits do not depend on M or on the other rows.
-// x @ W^T (+ bias) on AMX tiles, rounded to bfloat16; ``widened``: those bfloat16 values as float32
+// x @ W^T (+ bias) on the tile GEMM, rounded to bfloat16; ``widened``: those bfloat16 values as float32
 // (an lm_head's logits, which callers take in float32).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                       bool widened) {

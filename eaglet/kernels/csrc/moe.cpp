@@ -47,10 +47,10 @@ void swiglu_act(const float* gate_up, int64_t inter, at::BFloat16* act) {
 
 }  // namespace
 
-// SwiGLU (the dense MLP and the shared experts) in one call: x @ [gate; up]^T on AMX tiles, the
+// SwiGLU (the dense MLP and the shared experts) in one call: x @ [gate; up]^T on the tile GEMM, the
 // activation as swiglu_act, then @ down^T, bfloat16 out. Rows are computed alone.
 at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t inter) {
-  TORCH_CHECK(tile_kernels_supported(), "amx_swiglu: this CPU or build has neither AMX nor AVX512-BF16");
+  TORCH_CHECK(tile_kernels_supported(), "amx_swiglu: this CPU or build has no tile-layout GEMM");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_swiglu: bfloat16 x [T, D]");
   const int64_t tokens = x.size(0), hidden = x.size(1);
   check_packed(w13, hidden, 2 * inter, "amx_swiglu gate_up");
@@ -100,12 +100,12 @@ at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tens
 }
 
 // Routed SwiGLU experts of a bfloat16 model in one call: tokens grouped by expert, each expert's
-// gate/up and down products on AMX tiles (amx_group), silu(gate) * up rounded to bfloat16 between
+// gate/up and down products on the tile GEMM (amx_group), silu(gate) * up rounded to bfloat16 between
 // them as the PyTorch path rounds, and each token's expert outputs weighted and summed in float32
 // in ascending expert id. Every (token, expert) row is computed alone: the same bits at any batch.
 at::Tensor moe_routed_experts(const at::Tensor& x, const at::Tensor& w13_all, const at::Tensor& w2_all,
                               const at::Tensor& weights, const at::Tensor& ids, int64_t inter) {
-  TORCH_CHECK(tile_kernels_supported(), "moe_routed_experts: this CPU or build has neither AMX nor AVX512-BF16");
+  TORCH_CHECK(tile_kernels_supported(), "moe_routed_experts: this CPU or build has no tile-layout GEMM");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_routed_experts: bfloat16 x [T, D]");
   TORCH_CHECK(w13_all.dim() == 6 && w2_all.dim() == 6 && w13_all.size(0) == w2_all.size(0) && w13_all.is_contiguous() &&
                   w2_all.is_contiguous(),

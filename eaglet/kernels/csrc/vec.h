@@ -1,6 +1,8 @@
 // Vector helpers of the kernels: 16-lane float32 loads of float32 and bfloat16 rows with masked
 // tails, dot products, exponentials and bfloat16 rounding. Each helper has its AVX-512 body and a
-// portable body (under #else); either sums a row in an order fixed by its length alone.
+// portable body (under #else), the dot products and axpy an AVX2 body as well (the AVX-512 one's
+// 16 lanes as two vectors of 8, the same operations); each sums a row in an order fixed by its
+// length alone.
 #pragma once
 
 #include "common.h"
@@ -11,7 +13,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -31,6 +33,36 @@ inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps
 inline __m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 inline __mmask16 tail_mask(int64_t left) { return left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EAGLET_VEC_AVX2 1
+// The float32 values of p[0:8], zero past `left` (AVX2 has no masked 16-bit loads: a tail goes
+// through a zeroed buffer).
+inline __m256 load8(const float* p, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float tail[8] = {};
+  for (int64_t i = 0; i < left; ++i) tail[i] = p[i];
+  return _mm256_load_ps(tail);
+}
+inline __m256 load8(const at::BFloat16* p, int64_t left) {
+  if (left >= 8) {
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+  }
+  alignas(32) float tail[8] = {};
+  for (int64_t i = 0; i < left; ++i) tail[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(tail);
+}
+// Lanes < left of 8, as a maskstore mask.
+inline __m256i store_mask(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(left, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// The sum of 16 lanes (lo: 0-7, hi: 8-15) in _mm512_reduce_add_ps's order: halves, quarters, pairs.
+inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 eight = _mm256_add_ps(hi, lo);
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, _MM_SHUFFLE(1, 1, 1, 1)));
+}
 #endif
 
 // dot(rows[r], key) for NR rows at once (independent sums the CPU overlaps). A row's sum is
@@ -46,6 +78,17 @@ inline void dot_rows(const float* const* rows, const K* key, int64_t n, float* o
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(load16(rows[r] + i, m), k, acc[r]);
   }
   for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(EAGLET_VEC_AVX2)
+  __m256 lo[NR], hi[NR];
+  for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m256 k_lo = load8(key + i, n - i), k_hi = load8(key + i + 8, n - i - 8);
+    for (int r = 0; r < NR; ++r) {
+      lo[r] = _mm256_fmadd_ps(load8(rows[r] + i, n - i), k_lo, lo[r]);
+      hi[r] = _mm256_fmadd_ps(load8(rows[r] + i + 8, n - i - 8), k_hi, hi[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = reduce_add16(lo[r], hi[r]);
 #else
   for (int r = 0; r < NR; ++r) {
     float acc[kLanes] = {0};
@@ -65,6 +108,16 @@ inline void axpy(float* out, float scale, const X* x, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = tail_mask(n - i);
     _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(a, load16(x + i, m), load16(out + i, m)));
+  }
+#elif defined(EAGLET_VEC_AVX2)
+  const __m256 a = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_fmadd_ps(a, load8(x + i, n - i), load8(out + i, n - i));
+    if (n - i >= 8) {
+      _mm256_storeu_ps(out + i, v);
+    } else {
+      _mm256_maskstore_ps(out + i, store_mask(n - i), v);
+    }
   }
 #else
   for (int64_t i = 0; i < n; ++i) out[i] += scale * to_float(x[i]);
