@@ -290,14 +290,14 @@ def test_draft_midlayer_matches_the_layer_path_in_every_round(tmp_path, monkeypa
         assert torch.equal(fused.logits, layered.logits)
         assert torch.equal(fused.hidden_out, layered.hidden_out)
         assert torch.equal(fused_kv, worker.pool.kv)
-        fused_calls.append(batch.mode)
+        fused_calls.append(max(batch.extend_prefix_lens_cpu) > 0)
         return fused
 
     draft.forward = both_paths
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 2 * i))} for i in range(3)]
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
     assert all(len(out.token_ids) == 10 for out in outputs)
-    assert ForwardMode.EXTEND in fused_calls and len(set(fused_calls)) >= 2  # prefill extends and step batches
+    assert any(fused_calls) and not all(fused_calls)  # extends after a verify, and prefill extends
 
 
 @pytest.mark.parametrize("topk", [1, 2])
