@@ -19,6 +19,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eaglet.errors import CheckpointError
+from eaglet.models.quantization import QuantScheme
+from eaglet.models.quantized_checkpoint import logical_view, quantized_matrix, quantized_receivers
 
 # Tensors that published checkpoints carry but inference does not use.
 IGNORED_TENSORS = (
@@ -110,17 +112,27 @@ def load_weights(
     *,
     prefix: str = "",
     show_progress: bool = True,
+    quantization: QuantScheme | None = None,
 ) -> None:
+    """Loads every tensor of ``model`` from the checkpoint. Weights the files store quantized (the
+    scheme of config.json's ``quantization_config``) go to their modules as ``QuantizedMatrix``
+    (codes and scales as stored, never dequantized here)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     targets = weight_targets(model, prefix)
     ignored = IGNORED_TENSORS + tuple(getattr(model, "ignored_checkpoint_tensors", lambda: ())())
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for shard in sorted(set(files.values())):
         with _open(shard) as f:
             for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+                tensor_slice = f.get_slice(name)
+                shapes[name] = tuple(tensor_slice.get_shape())
+                dtypes[name] = tensor_slice.get_dtype()
     index_only = sorted(n for n, p in files.items() if n not in shapes)
+    shapes, quantized, problems = logical_view(shapes, dtypes, quantization)
+    receivers = quantized_receivers(model, prefix)
+    unrunnable = sorted(n for n in quantized if n in targets and n not in receivers)
     missing = sorted(n for n in targets if n not in shapes)
     unexpected = sorted(n for n in shapes if n not in targets and not any(p.match(n) for p in ignored))
     misshaped = [
@@ -128,7 +140,8 @@ def load_weights(
         for n in sorted(targets)
         if n in shapes and shapes[n] != tuple(targets[n].shape)
     ]
-    problems = []
+    if unrunnable:
+        problems.append(f"stored quantized where eaglet runs only plain weights: {_clip(unrunnable)}")
     if index_only:
         problems.append(f"listed in the index but absent from their shard: {_clip(index_only)}")
     if missing:
@@ -142,9 +155,20 @@ def load_weights(
 
     by_shard: dict[Path, list[str]] = {}
     for name in targets:
-        by_shard.setdefault(files[name], []).append(name)
+        if name not in quantized:
+            by_shard.setdefault(files[name], []).append(name)
     progress = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not show_progress)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as shards:
+        handles: dict[Path, object] = {}
+
+        def read(name: str) -> torch.Tensor:
+            if files[name] not in handles:
+                handles[files[name]] = shards.enter_context(_open(files[name]))
+            return handles[files[name]].get_tensor(name)
+
+        for name in sorted(n for n in quantized if n in targets):
+            receivers[name](quantized_matrix(quantized[name], read, quantization))
+            progress.update(1)
         for shard, names in sorted(by_shard.items()):
             with _open(shard) as f:
                 for name in names:

@@ -83,5 +83,5 @@ def load_model(
     entry = entry_for(raw)
     config = entry.parse_config(raw)
     model = build_model(config, resolve_dtype(dtype), backend)
-    entry.load_weights(model, model_dir, show_progress=show_progress)
+    entry.load_weights(model, model_dir, show_progress=show_progress, quantization=config.quantization)
     return model, config
