@@ -15,6 +15,7 @@ from eaglet.backends.cpu.cache_ops import CpuCacheOps
 from eaglet.backends.cpu.decoder_stack import build_decoder_stack
 from eaglet.backends.cpu.layer_ops import CpuLayerOps
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
+from eaglet.backends.cpu.quantized_weights import KernelQuantizedLinear
 from eaglet.backends.cpu.sampling_ops import CpuSamplingOps
 from eaglet.backends.cpu.spec_ops import CpuSpecOps
 from eaglet.backends.cpu.weights import CpuWeightMethods
@@ -58,7 +59,9 @@ def cpu_backend() -> Backend:
     return Backend(
         name="cpu", layers=CpuLayerOps(torch_ops.layers), sampling=CpuSamplingOps(torch_ops.sampling),
         spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache),
-        weights=QuantizedWeightMethods(CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None)),
+        weights=QuantizedWeightMethods(
+            CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None), KernelQuantizedLinear
+        ),
         mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack,
     )
 
