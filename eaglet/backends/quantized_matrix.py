@@ -77,6 +77,19 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return (nibbles << shifts).sum(-1, dtype=torch.int32)
 
 
+def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
+    """Symmetric int4 of a [..., out, in] weight by compressed-tensors' rule: per group of
+    ``group_size`` columns a bfloat16 scale absmax / 7.5, values round(w / scale) clamped to [-8, 7]."""
+    if weight.shape[-1] % group_size:
+        raise ValueError(f"int4 groups of {group_size} columns do not divide a width of {weight.shape[-1]}")
+    groups = weight.reshape(*weight.shape[:-1], -1, group_size)
+    scales = (groups.float().abs().amax(-1) / 7.5).bfloat16()
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    # Divided in the weight's dtype (bfloat16 / bfloat16 rounds to bfloat16), as compressed-tensors does.
+    values = (groups / scales[..., None]).round().clamp(-8, 7).reshape(weight.shape)
+    return QuantizedMatrix("int4", pack_int4(values), scales, group_size, weight.shape[-1])
+
+
 def cat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
     """Matrices of one format, group size and input width stacked by rows (gate on up)."""
     first = parts[0]

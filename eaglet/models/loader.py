@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eaglet.errors import CheckpointError
+from eaglet.models.load_time_quantization import quantize_routed_experts
 from eaglet.models.quantization import QuantScheme
 from eaglet.models.quantized_checkpoint import logical_view, quantized_matrix, quantized_receivers
 
@@ -113,10 +114,12 @@ def load_weights(
     prefix: str = "",
     show_progress: bool = True,
     quantization: QuantScheme | None = None,
+    quantize: str | None = None,
 ) -> None:
     """Loads every tensor of ``model`` from the checkpoint. Weights the files store quantized (the
     scheme of config.json's ``quantization_config``) go to their modules as ``QuantizedMatrix``
-    (codes and scales as stored, never dequantized here)."""
+    (codes and scales as stored, never dequantized here). ``quantize`` ("int4") quantizes the plain
+    routed experts once read (``load_time_quantization``)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     targets = weight_targets(model, prefix)
@@ -178,6 +181,8 @@ def load_weights(
                     targets[name].copy_(tensor)
                     progress.update(1)
     progress.close()
+    if quantize is not None:
+        quantize_routed_experts(model, quantize)
     _tie(model)
     # Children first: a module that prepares itself from its children's weight methods (a decoder
     # stack) finds them made.
