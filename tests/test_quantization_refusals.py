@@ -148,3 +148,13 @@ def test_quantized_tensors_without_a_quantization_config_are_refused(int4_checkp
 
     with pytest.raises(CheckpointError, match=r"stored int4 \(weight_packed\) but quantization_config is None"):
         LLM(str(rewrite(int4_checkpoint, tmp_path / "m", edit_config=drop)), show_progress=False)
+
+
+def test_experts_partly_quantized_are_refused_before_loading(int4_checkpoint, tmp_path):
+    def dequantize_one(tensors):
+        packed = tensors.pop(f"{EXPERT}.weight_packed")
+        tensors.pop(f"{EXPERT}.weight_scale"), tensors.pop(f"{EXPERT}.weight_shape")
+        tensors[f"{EXPERT}.weight"] = torch.zeros(packed.shape[0], packed.shape[1] * 8, dtype=torch.bfloat16)
+
+    with pytest.raises(CheckpointError, match=r"stored in different forms: language_model.model.layers.1.mlp.experts \(int4, plain\)"):
+        LLM(str(rewrite(int4_checkpoint, tmp_path / "m", edit_tensors=dequantize_one)), show_progress=False)

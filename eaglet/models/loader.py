@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from eaglet.errors import CheckpointError
 from eaglet.models.load_time_quantization import quantize_routed_experts
 from eaglet.models.quantization import QuantScheme
-from eaglet.models.quantized_checkpoint import logical_view, quantized_matrix, quantized_receivers
+from eaglet.models.quantized_checkpoint import logical_view, partly_quantized, quantized_matrix, quantized_receivers
 
 # Tensors that published checkpoints carry but inference does not use.
 IGNORED_TENSORS = (
@@ -63,6 +63,28 @@ def _open(path: Path) -> Iterator:
             yield f
     except SafetensorError as exc:
         raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+
+
+class _ShardReader:
+    """Tensors by name from the shards holding them, each shard opened on first use and closed with
+    the reader."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.stack = contextlib.ExitStack()
+        self.handles: dict[Path, object] = {}
+
+    def __enter__(self) -> _ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(_open(path))
+        return self.handles[path].get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -145,6 +167,9 @@ def load_weights(
     ]
     if unrunnable:
         problems.append(f"stored quantized where eaglet runs only plain weights: {_clip(unrunnable)}")
+    mixed = partly_quantized(model, quantized, prefix)
+    if mixed:
+        problems.append(f"weights multiplied as one stack stored in different forms: {_clip(mixed)}")
     if index_only:
         problems.append(f"listed in the index but absent from their shard: {_clip(index_only)}")
     if missing:
@@ -161,17 +186,17 @@ def load_weights(
         if name not in quantized:
             by_shard.setdefault(files[name], []).append(name)
     progress = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not show_progress)
-    with torch.no_grad(), contextlib.ExitStack() as shards:
-        handles: dict[Path, object] = {}
-
-        def read(name: str) -> torch.Tensor:
-            if files[name] not in handles:
-                handles[files[name]] = shards.enter_context(_open(files[name]))
-            return handles[files[name]].get_tensor(name)
-
+    with torch.no_grad():
+        # Quantized weights by the shard of their codes, that shard and the ones holding their
+        # scales open together: one shard's pages are mapped at a time, as for plain tensors.
+        by_codes_shard: dict[Path, list[str]] = {}
         for name in sorted(n for n in quantized if n in targets):
-            receivers[name](quantized_matrix(quantized[name], read, quantization))
-            progress.update(1)
+            by_codes_shard.setdefault(files[quantized[name].parts["codes"]], []).append(name)
+        for names in by_codes_shard.values():
+            with _ShardReader(files) as shards:
+                for name in names:
+                    receivers[name](quantized_matrix(quantized[name], shards.read, quantization))
+                    progress.update(1)
         for shard, names in sorted(by_shard.items()):
             with _open(shard) as f:
                 for name in names:

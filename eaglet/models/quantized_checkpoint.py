@@ -135,3 +135,16 @@ def quantized_receivers(model: nn.Module, prefix: str = "") -> dict[str, Callabl
                 suffix = full[len(dotted):]
                 receivers[full] = lambda matrix, m=module, s=suffix: m.hold_quantized(s, matrix)
     return receivers
+
+
+def partly_quantized(model: nn.Module, quantized: dict[str, StoredQuantized], prefix: str = "") -> list[str]:
+    """Modules whose weights are multiplied as one stack (a layer's routed experts) but stored partly
+    quantized and partly plain, or quantized in different formats."""
+    mixed = []
+    for name, module in model.named_modules():
+        if hasattr(module, "hold_quantized") and hasattr(module, "checkpoint_weights"):
+            names = module.checkpoint_weights(f"{prefix}{name}." if name else prefix)
+            formats = {quantized[n].format if n in quantized else "plain" for n in names}
+            if len(formats) > 1:
+                mixed.append(f"{prefix}{name} ({', '.join(sorted(formats))})")
+    return mixed
