@@ -12,6 +12,7 @@
 #include "ops.h"
 
 #include <cmath>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -77,12 +78,14 @@ inline __m256i load_words(const int32_t* codes, int64_t w0, int64_t words) {
 }
 #endif
 
-// out[r][n] for rows r0 .. r0 + nr - 1 (nr <= kRowsAtOnce) of one weight row n.
-template <typename S>
-void int4_row(const Int4Rows& rows, int64_t r0, int nr, const int32_t* codes, const S* scales, int64_t words,
+// out[r][n] for rows r0 .. r0 + NR - 1 (NR <= kRowsAtOnce, a constant so the per-row sums stay in
+// registers) of one weight row n.
+template <int NR, typename S>
+void int4_row(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
               int64_t group, float* out, int64_t out_stride) {
+  constexpr int nr = NR;
 #if defined(EAGLET_QUANT_AVX2)
-  __m256 acc[kRowsAtOnce];
+  __m256 acc[NR];
   for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(0xF);
   for (int64_t c = 0; c < rows.chunks; ++c) {
@@ -92,13 +95,17 @@ void int4_row(const Int4Rows& rows, int64_t r0, int nr, const int32_t* codes, co
     const float s_lo = scale_at(scales, k0 / group);
     const float s_hi = k0 + 32 < words * 8 ? scale_at(scales, (k0 + 32) / group) : 0.0f;
     const __m256 scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
-    __m256 dot[kRowsAtOnce];
-    for (int j = 0; j < 8; ++j) {
+    __m256 dot[NR];
+    const float* x0 = rows.x.data() + (r0 * rows.chunks + c) * kChunk;
+    const int64_t x_stride = rows.chunks * kChunk;
+    {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(packed, low4));
+      for (int r = 0; r < nr; ++r) dot[r] = _mm256_mul_ps(_mm256_loadu_ps(x0 + r * x_stride), q);
+    }
+#pragma GCC unroll 7
+    for (int j = 1; j < 8; ++j) {
       const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(packed, 4 * j), low4));
-      for (int r = 0; r < nr; ++r) {
-        const __m256 xv = _mm256_loadu_ps(rows.x.data() + ((r0 + r) * rows.chunks + c) * kChunk + 8 * j);
-        dot[r] = j == 0 ? _mm256_mul_ps(xv, q) : _mm256_fmadd_ps(xv, q, dot[r]);
-      }
+      for (int r = 0; r < nr; ++r) dot[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + r * x_stride + 8 * j), q, dot[r]);
     }
     for (int r = 0; r < nr; ++r) {
       const __m256 off = _mm256_loadu_ps(rows.offset.data() + ((r0 + r) * rows.chunks + c) * 8);
@@ -164,15 +171,17 @@ inline float fp8_value(uint8_t b) {
 
 // out[r][n] for rows r0 .. r0 + nr - 1 of one fp8 weight row n (x float32 [M, K]): per group, 8
 // partial sums of x * code, then acc += partial * the group's scale.
-void fp8_row(const float* x, int64_t k, int64_t r0, int nr, const uint8_t* codes, const float* scales, int64_t group,
+template <int NR>
+void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const float* scales, int64_t group,
              float* out, int64_t out_stride) {
+  constexpr int nr = NR;
   const int64_t groups = (k + group - 1) / group;
 #if defined(EAGLET_QUANT_AVX2)
-  __m256 acc[kRowsAtOnce];
+  __m256 acc[NR];
   for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t start = g * group, stop = std::min(k, start + group);
-    __m256 dot[kRowsAtOnce];
+    __m256 dot[NR];
     for (int r = 0; r < nr; ++r) dot[r] = _mm256_setzero_ps();
     for (int64_t i = start; i < stop; i += 8) {
       const int64_t count = std::min<int64_t>(8, stop - i);
@@ -212,13 +221,21 @@ void fp8_row(const float* x, int64_t k, int64_t r0, int nr, const uint8_t* codes
 #endif
 }
 
-// Splits the N outputs over threads once the work pays for the pool's wake-up.
+// Splits the N outputs over threads once the work pays for the pool's wake-up; body<NR>(col, r0)
+// computes rows r0 .. r0 + NR - 1 of output col.
 template <typename F>
 void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
   const int64_t grain = m * n * k >= kParallelWork ? std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, m * k)) : n;
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t col = n0; col < n1; ++col) {
-      for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) body(col, r0, static_cast<int>(std::min<int64_t>(kRowsAtOnce, m - r0)));
+      int64_t r0 = 0;
+      for (; r0 + kRowsAtOnce <= m; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col, r0);
+      switch (m - r0) {
+        case 3: body(std::integral_constant<int, 3>{}, col, r0); break;
+        case 2: body(std::integral_constant<int, 2>{}, col, r0); break;
+        case 1: body(std::integral_constant<int, 1>{}, col, r0); break;
+        default: break;
+      }
     }
   });
 }
@@ -237,13 +254,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t groups = scales.size(1);
   if (scales.scalar_type() == at::kBFloat16) {
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    for_outputs(m, n, k, [&](int64_t col, int64_t r0, int nr) {
-      int4_row(rows, r0, nr, code_data + col * words, s + col * groups, words, group, out_data + col, n);
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
+      int4_row<decltype(rows_at_once)::value>(rows, r0, code_data + col * words, s + col * groups, words, group,
+                                               out_data + col, n);
     });
   } else {
     const float* s = scales.data_ptr<float>();
-    for_outputs(m, n, k, [&](int64_t col, int64_t r0, int nr) {
-      int4_row(rows, r0, nr, code_data + col * words, s + col * groups, words, group, out_data + col, n);
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
+      int4_row<decltype(rows_at_once)::value>(rows, r0, code_data + col * words, s + col * groups, words, group,
+                                               out_data + col, n);
     });
   }
   return out;
@@ -262,8 +281,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const float* s = scales.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const int64_t groups = scales.size(1);
-  for_outputs(m, n, k, [&](int64_t col, int64_t r0, int nr) {
-    fp8_row(x_data, k, r0, nr, code_data + col * k, s + col * groups, group, out_data + col, n);
+  for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
+    fp8_row<decltype(rows_at_once)::value>(x_data, k, r0, code_data + col * k, s + col * groups, group, out_data + col, n);
   });
   return out;
 }
