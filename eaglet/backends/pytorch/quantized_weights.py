@@ -72,6 +72,8 @@ class QuantizedExperts:
 
     def apply(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = expert_ids.shape
+        if num_tokens == 1:
+            return self._one_token(x, weights, expert_ids)
         # Each token's slots in ascending expert id: the order its outputs are summed in.
         slot_order = expert_ids.argsort(dim=1, stable=True)
         ids = expert_ids.gather(1, slot_order)
@@ -85,6 +87,15 @@ class QuantizedExperts:
         out = expert_out[:, 0] * scale[:, :1]
         for k in range(1, top_k):
             out = out + expert_out[:, k] * scale[:, k : k + 1]
+        return out.to(x.dtype)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Batch-1 decode without the grouping: the same products and the same sum order."""
+        ids, scale = expert_ids[0].tolist(), weights[0].float()
+        out = None
+        for k in sorted(range(len(ids)), key=ids.__getitem__):
+            term = self.per_expert[ids[k]].apply(x).float() * scale[k]
+            out = term if out is None else out + term
         return out.to(x.dtype)
 
 

@@ -25,6 +25,7 @@ namespace {
 
 constexpr int64_t kChunk = 64;  // int4: k values per step (8 words, one per lane)
 constexpr int kRowsAtOnce = 4;  // x rows sharing each unpacked weight chunk
+constexpr int64_t kRowBlock = 64;  // x rows against which a thread's columns run before the next rows (a multiple of 4)
 
 // x rows as float32 in the int4 kernel's order: within each 64-value chunk, position 8 * j + w holds
 // x[64 c + 8 w + j], so shifting 8 loaded words by 4 j gives, in lane w, the weight that multiplies
@@ -222,19 +223,23 @@ void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const 
 }
 
 // Splits the N outputs over threads once the work pays for the pool's wake-up; body<NR>(col, r0)
-// computes rows r0 .. r0 + NR - 1 of output col.
+// computes rows r0 .. r0 + NR - 1 of output col. Rows go in blocks of kRowBlock, each block against
+// every column of the thread, so a prefill chunk's x block stays in cache while the weight streams.
 template <typename F>
 void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
   const int64_t grain = m * n * k >= kParallelWork ? std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, m * k)) : n;
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t col = n0; col < n1; ++col) {
-      int64_t r0 = 0;
-      for (; r0 + kRowsAtOnce <= m; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col, r0);
-      switch (m - r0) {
-        case 3: body(std::integral_constant<int, 3>{}, col, r0); break;
-        case 2: body(std::integral_constant<int, 2>{}, col, r0); break;
-        case 1: body(std::integral_constant<int, 1>{}, col, r0); break;
-        default: break;
+    for (int64_t block = 0; block < m; block += kRowBlock) {
+      const int64_t block_end = std::min(m, block + kRowBlock);
+      for (int64_t col = n0; col < n1; ++col) {
+        int64_t r0 = block;
+        for (; r0 + kRowsAtOnce <= block_end; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col, r0);
+        switch (block_end - r0) {
+          case 3: body(std::integral_constant<int, 3>{}, col, r0); break;
+          case 2: body(std::integral_constant<int, 2>{}, col, r0); break;
+          case 1: body(std::integral_constant<int, 1>{}, col, r0); break;
+          default: break;
+        }
       }
     }
   });
