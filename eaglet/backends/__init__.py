@@ -15,6 +15,7 @@ from eaglet.backends.cpu.cache_ops import CpuCacheOps
 from eaglet.backends.cpu.decoder_stack import build_decoder_stack
 from eaglet.backends.cpu.layer_ops import CpuLayerOps
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
+from eaglet.backends.cpu.quantized_weights import KernelQuantizedLinear
 from eaglet.backends.cpu.sampling_ops import CpuSamplingOps
 from eaglet.backends.cpu.spec_ops import CpuSpecOps
 from eaglet.backends.cpu.weights import CpuWeightMethods
@@ -23,6 +24,7 @@ from eaglet.backends.pytorch.layer_ops import TorchLayerOps
 from eaglet.backends.pytorch.mla_attention import TorchMLAAttention
 from eaglet.backends.pytorch.sampling_ops import TorchSamplingOps
 from eaglet.backends.pytorch.spec_ops import TorchSpecOps
+from eaglet.backends.pytorch.quantized_weights import QuantizedWeightMethods
 from eaglet.backends.pytorch.weights import TorchWeightMethods
 from eaglet.backends.stack import DecoderStack, StackConfig, StackLayer
 
@@ -37,7 +39,7 @@ def torch_backend(fallback_reason: str | None = None) -> Backend:
     sampling = TorchSamplingOps()
     return Backend(
         name="pytorch", layers=TorchLayerOps(), sampling=sampling, spec=TorchSpecOps(sampling), cache=TorchCacheOps(),
-        weights=TorchWeightMethods(), mla_attention=TorchMLAAttention, decoder_stack=_no_stack,
+        weights=QuantizedWeightMethods(TorchWeightMethods()), mla_attention=TorchMLAAttention, decoder_stack=_no_stack,
         fallback_reason=fallback_reason,
     )
 
@@ -57,7 +59,9 @@ def cpu_backend() -> Backend:
     return Backend(
         name="cpu", layers=CpuLayerOps(torch_ops.layers), sampling=CpuSamplingOps(torch_ops.sampling),
         spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache),
-        weights=CpuWeightMethods(torch_ops.weights, tiles=kernels.tile_backend() is not None),
+        weights=QuantizedWeightMethods(
+            CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None), KernelQuantizedLinear
+        ),
         mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack,
     )
 

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
+    from eaglet.backends.quantized_matrix import QuantizedMatrix
     from eaglet.backends.stack import DecoderStack, StackConfig, StackLayer
     from eaglet.runtime.kv_cache import CacheOps, KVCacheManager, LatentKVPool
 
@@ -123,15 +124,16 @@ class ExpertsMethod(Protocol):
 
 
 class WeightMethods(Protocol):
-    """The weight formats a backend multiplies in, chosen per matrix from its dtype and the CPU."""
+    """The weight formats a backend multiplies in, chosen per matrix from its dtype and the CPU, or
+    from its quantized form (``QuantizedMatrix``: a checkpoint's int4 or FP8 codes and scales)."""
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearMethod:
+    def linear(self, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None) -> LinearMethod:
         ...
 
-    def swiglu(self, gate_up: torch.Tensor, down: torch.Tensor) -> SwiGLUMethod:
+    def swiglu(self, gate_up: torch.Tensor | QuantizedMatrix, down: torch.Tensor | QuantizedMatrix) -> SwiGLUMethod:
         ...
 
-    def experts(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertsMethod:
+    def experts(self, w13: torch.Tensor | QuantizedMatrix, w2: torch.Tensor | QuantizedMatrix) -> ExpertsMethod:
         ...
 
     def absorbed_projections(self, w_uk: torch.Tensor, w_uv_t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

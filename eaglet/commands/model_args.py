@@ -19,6 +19,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_log_level: str 
     group = parser.add_argument_group("model")
     group.add_argument("--model-path", help="checkpoint directory (default: the bundled demo model)")
     group.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    group.add_argument("--quantization", choices=("int4",), default=None,
+                       help="quantize a plain checkpoint's routed experts at load time (int4: Kimi-K2.5's published "
+                            "form, one bfloat16 scale per 32 columns); quantized checkpoints load as stored without it")
     group.add_argument("--max-running-requests", type=positive_int, default=64)
     group.add_argument("--context-length", type=positive_int, default=None,
                        help="longest prompt + output (default: the model's max_position_embeddings)")
@@ -98,6 +101,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=model_path,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -62,6 +62,8 @@ class EngineConfig:
     # AVX512-BF16 or AVX2 the bfloat16 GEMMs and experts), built on first use; where they cannot be built
     # the engine logs why and runs the PyTorch ops.
     cpu_kernels: bool = True
+    # "int4": the target's plain routed experts quantized at load time (Kimi-K2.5's int4 form).
+    quantization: str | None = None
 
 
 class Engine:
@@ -73,7 +75,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype)
         self.backend = select_backend(config.cpu_kernels)
         self.model, self.model_config = load_model(
-            model_dir, dtype, backend=self.backend, show_progress=config.show_progress
+            model_dir, dtype, backend=self.backend, show_progress=config.show_progress, quantize=config.quantization
         )
         text = self.model_config.text
         self.context_len = min(config.context_length or text.max_position_embeddings, text.max_position_embeddings)

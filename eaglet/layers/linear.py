@@ -2,7 +2,7 @@
 
 The module keeps the checkpoint's parameters (``weight`` [out, in], ``bias``); after loading, the
 backend's ``WeightMethods.linear`` makes the method that multiplies them (a packed copy, a tile
-layout, or the matrix as it is). Before that, and under autograd (draft training), the module
+layout, the matrix as it is, or its quantized form). Before that, and under autograd (draft training), the module
 multiplies the parameters themselves.
 """
 
@@ -13,16 +13,17 @@ from torch import nn
 
 from eaglet.backends.base import LinearMethod, WeightMethods
 from eaglet.backends.pytorch.weights import dense_linear
+from eaglet.layers.quantized_weight import QuantizableWeight
 
 
-class Linear(nn.Linear):
+class Linear(QuantizableWeight, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, weights: WeightMethods) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.weights = weights
         self.method: LinearMethod | None = None
 
     def process_weights_after_loading(self) -> None:
-        self.method = self.weights.linear(self.weight.detach(), None if self.bias is None else self.bias.detach())
+        self.method = self.weights.linear(self.loaded_weight(), None if self.bias is None else self.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.method is None or torch.is_grad_enabled():

@@ -9,8 +9,10 @@ from torch import nn
 
 from eaglet.backends.base import Backend, LinearMethod
 from eaglet.backends.pytorch.weights import dense_linear
+from eaglet.backends.quantized_matrix import QuantizedMatrix
 from eaglet.layers.linear import Linear
 from eaglet.layers.norms import RMSNorm
+from eaglet.layers.quantized_weight import WeightHolder, cat_weights
 from eaglet.layers.rotary import RopeConfig, RotaryEmbedding, softmax_scale
 
 if TYPE_CHECKING:
@@ -68,8 +70,8 @@ class MLAAttention(nn.Module):
             self.kv_a_proj_with_mqa = Linear(input_size, kv_a_out, config.attention_bias, weights)
         else:
             # Parameter holders: qkv_a multiplies them as one matrix.
-            self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
-            self.kv_a_proj_with_mqa = nn.Linear(input_size, kv_a_out, bias=config.attention_bias)
+            self.q_a_proj = WeightHolder(input_size, config.q_lora_rank, bias=config.attention_bias)
+            self.kv_a_proj_with_mqa = WeightHolder(input_size, kv_a_out, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, ops)
             self.q_b_proj = Linear(config.q_lora_rank, heads_qk, False, weights)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, ops)
@@ -93,22 +95,34 @@ class MLAAttention(nn.Module):
         With q_lora_rank, q_a_proj and kv_a_proj_with_mqa become row slices of one matrix, so a
         token reads x once in one GEMM; the checkpoint-named parameters stay views of it.
         """
-        w = self.kv_b_proj.weight.detach().float().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        kv_b = self.kv_b_proj.loaded_weight()
+        kv_b = kv_b.dequantize() if isinstance(kv_b, QuantizedMatrix) else kv_b.float()
+        w = kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()
         self.w_uv_t = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
         if self.has_q_lora:
-            q_rows = self.q_a_proj.weight.shape[0]
-            fused = torch.cat([self.q_a_proj.weight.detach(), self.kv_a_proj_with_mqa.weight.detach()])
-            self.q_a_proj.weight.data = fused[:q_rows]
-            self.kv_a_proj_with_mqa.weight.data = fused[q_rows:]
-            self.qkv_a_weight = fused
-            if self.q_a_proj.bias is not None:
-                fused_bias = torch.cat([self.q_a_proj.bias.detach(), self.kv_a_proj_with_mqa.bias.detach()])
-                self.q_a_proj.bias.data = fused_bias[:q_rows]
-                self.kv_a_proj_with_mqa.bias.data = fused_bias[q_rows:]
-                self.qkv_a_bias = fused_bias
-            self.qkv_a = self.weights.linear(fused, self.qkv_a_bias)
+            self._fuse_down_projections()
         self.absorbed_projections = self.weights.absorbed_projections(self.w_uk, self.w_uv_t, self.kv_b_proj.weight.dtype)
+
+    def _fuse_down_projections(self) -> None:
+        q_a, kv_a = self.q_a_proj.loaded_weight(), self.kv_a_proj_with_mqa.loaded_weight()
+        if isinstance(q_a, QuantizedMatrix) or isinstance(kv_a, QuantizedMatrix):
+            # Quantized: the fused matrix is the only copy; the holders keep their meta stand-ins.
+            if self.q_a_proj.bias is not None:
+                self.qkv_a_bias = torch.cat([self.q_a_proj.bias.detach(), self.kv_a_proj_with_mqa.bias.detach()])
+            self.qkv_a = self.weights.linear(cat_weights([q_a, kv_a]), self.qkv_a_bias)
+            return
+        q_rows = self.q_a_proj.weight.shape[0]
+        fused = torch.cat([q_a, kv_a])
+        self.q_a_proj.weight.data = fused[:q_rows]
+        self.kv_a_proj_with_mqa.weight.data = fused[q_rows:]
+        self.qkv_a_weight = fused
+        if self.q_a_proj.bias is not None:
+            fused_bias = torch.cat([self.q_a_proj.bias.detach(), self.kv_a_proj_with_mqa.bias.detach()])
+            self.q_a_proj.bias.data = fused_bias[:q_rows]
+            self.kv_a_proj_with_mqa.bias.data = fused_bias[q_rows:]
+            self.qkv_a_bias = fused_bias
+        self.qkv_a = self.weights.linear(fused, self.qkv_a_bias)
 
     def decompress(self, latent: torch.Tensor) -> torch.Tensor:
         """kv_b_proj of cached latents [S, L]: each token's keys' nope part and values, [S, H * (P + V)]."""

@@ -8,6 +8,8 @@ from torch import nn
 
 from eaglet.backends.base import Backend, ExpertsMethod, LayerOps, SwiGLUMethod, WeightMethods
 from eaglet.backends.pytorch.weights import dense_linear
+from eaglet.backends.quantized_matrix import QuantizedMatrix, stack
+from eaglet.layers.quantized_weight import WeightHolder, cat_weights, meta_parameter
 
 
 class MoEConfig(Protocol):
@@ -30,14 +32,18 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, weights: WeightMethods) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = WeightHolder(hidden_size, intermediate_size, bias=False)
+        self.up_proj = WeightHolder(hidden_size, intermediate_size, bias=False)
+        self.down_proj = WeightHolder(intermediate_size, hidden_size, bias=False)
         self.weights = weights
         self.gate_up_weight: torch.Tensor | None = None  # [2 * intermediate, hidden], set after loading
         self.method: SwiGLUMethod | None = None
 
     def process_weights_after_loading(self) -> None:
+        gate, up, down = (p.loaded_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
+        if any(isinstance(w, QuantizedMatrix) for w in (gate, up, down)):
+            self.method = self.weights.swiglu(cat_weights([gate, up]), down)
+            return
         inter = self.gate_proj.weight.shape[0]
         fused = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
         self.gate_proj.weight.data = fused[:inter]
@@ -90,9 +96,30 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.weights = weights
         self.method: ExpertsMethod | None = None
+        # Per-expert projections the checkpoint stores quantized, by checkpoint-name suffix; stacked
+        # into quantized w13 / w2 after loading.
+        self.quantized_parts: dict[str, QuantizedMatrix] = {}
 
     def process_weights_after_loading(self) -> None:
+        if self.quantized_parts:
+            w13, w2 = self._stack_quantized()
+            self.w13, self.w2 = meta_parameter(self.w13), meta_parameter(self.w2)
+            self.quantized_parts = {}
+            self.method = self.weights.experts(w13, w2)
+            return
         self.method = self.weights.experts(self.w13.detach(), self.w2.detach())
+
+    def hold_quantized(self, suffix: str, matrix: QuantizedMatrix) -> None:
+        """Takes the quantized matrix the checkpoint stores under ``{prefix}{suffix}``."""
+        self.quantized_parts[suffix] = matrix
+
+    def _stack_quantized(self) -> tuple[QuantizedMatrix, QuantizedMatrix]:
+        # Every expert's three projections are here: the loader refuses experts stored partly quantized.
+        parts = self.quantized_parts
+        w13 = stack([cat_weights([parts[f"{e}.gate_proj.weight"], parts[f"{e}.up_proj.weight"]])
+                     for e in range(self.num_experts)])
+        w2 = stack([parts[f"{e}.down_proj.weight"] for e in range(self.num_experts)])
+        return w13, w2
 
     def checkpoint_weights(self, prefix: str) -> dict[str, torch.Tensor]:
         inter = self.intermediate_size

@@ -14,6 +14,7 @@ from typing import Any
 
 from eaglet.errors import ConfigError
 from eaglet.layers.rotary import RopeConfig
+from eaglet.models.quantization import QuantScheme
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ModelConfig:
     vision: Any = None  # KimiVisionConfig for kimi_k25
     image_token_id: int | None = None
     raw: dict | None = None
+    quantization: QuantScheme | None = None  # the checkpoint's quantization_config, parsed
 
     @property
     def is_multimodal(self) -> bool:
@@ -87,16 +89,6 @@ def read_config_json(model_dir: str | Path, kind: str = "Hugging Face model") ->
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level")
     return raw
-
-
-def refuse_quantization(raw: dict) -> None:
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ConfigError(
-            f"quantized checkpoints are not supported yet (quantization_config.quant_method="
-            f"{method!r}); use an unquantized bfloat16 or float32 checkpoint"
-        )
 
 
 def _get(raw: dict, key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:

@@ -19,13 +19,16 @@ from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
-from eaglet.models.config import ModelConfig, TextConfig, parse_text_config, refuse_quantization
+from eaglet.models.config import ModelConfig, TextConfig, parse_text_config
+from eaglet.models.quantization import parse_quantization
 from eaglet.runtime.forward_batch import ForwardBatch
 
 def parse_deepseek_v3_config(raw: dict) -> ModelConfig:
     """A DeepSeek-V3 / Kimi-K2 config.json."""
-    refuse_quantization(raw)
-    return ModelConfig(raw.get("model_type", "deepseek_v3"), parse_text_config(raw, where="config"), raw=raw)
+    return ModelConfig(
+        raw.get("model_type", "deepseek_v3"), parse_text_config(raw, where="config"), raw=raw,
+        quantization=parse_quantization(raw),
+    )
 
 
 @dataclass

@@ -16,19 +16,19 @@ from torch import nn
 from eaglet.backends.base import Backend
 from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
 from eaglet.errors import ConfigError
-from eaglet.models.config import ModelConfig, parse_text_config, refuse_quantization
+from eaglet.models.config import ModelConfig, parse_text_config
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
 from eaglet.models.kimi_k25_vision import KimiProjector, KimiVisionConfig, KimiVisionTower
+from eaglet.models.quantization import parse_text_and_top_quantization
 from eaglet.runtime.forward_batch import ForwardBatch
 
 
 def parse_kimi_k25_config(raw: dict) -> ModelConfig:
     """A Kimi-K2.5 config.json: the DeepSeek-V3 ``text_config``, the vision tower's, the placeholder id."""
-    refuse_quantization(raw)
     text_raw = raw.get("text_config")
     if not isinstance(text_raw, dict):
         raise ConfigError("kimi_k25 config: 'text_config' must be an object")
-    refuse_quantization(text_raw)
+    quantization = parse_text_and_top_quantization(raw, text_raw)
     text = parse_text_config(text_raw, where="text_config")
     image_token_id = raw.get("media_placeholder_token_id", raw.get("image_token_id"))
     if image_token_id is None:
@@ -44,7 +44,7 @@ def parse_kimi_k25_config(raw: dict) -> ModelConfig:
             f"kimi_k25 config: projector output size {vision.text_hidden_size} != "
             f"text hidden_size {text.hidden_size}"
         )
-    return ModelConfig("kimi_k25", text, vision, image_token_id, raw)
+    return ModelConfig("kimi_k25", text, vision, image_token_id, raw, quantization)
 
 
 class KimiK25ForConditionalGeneration(nn.Module):

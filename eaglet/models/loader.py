@@ -19,6 +19,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eaglet.errors import CheckpointError
+from eaglet.models.load_time_quantization import quantize_routed_experts
+from eaglet.models.quantization import QuantScheme
+from eaglet.models.quantized_checkpoint import logical_view, partly_quantized, quantized_matrix, quantized_receivers
 
 # Tensors that published checkpoints carry but inference does not use.
 IGNORED_TENSORS = (
@@ -60,6 +63,28 @@ def _open(path: Path) -> Iterator:
             yield f
     except SafetensorError as exc:
         raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+
+
+class _ShardReader:
+    """Tensors by name from the shards holding them, each shard opened on first use and closed with
+    the reader."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.stack = contextlib.ExitStack()
+        self.handles: dict[Path, object] = {}
+
+    def __enter__(self) -> _ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(_open(path))
+        return self.handles[path].get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -110,17 +135,29 @@ def load_weights(
     *,
     prefix: str = "",
     show_progress: bool = True,
+    quantization: QuantScheme | None = None,
+    quantize: str | None = None,
 ) -> None:
+    """Loads every tensor of ``model`` from the checkpoint. Weights the files store quantized (the
+    scheme of config.json's ``quantization_config``) go to their modules as ``QuantizedMatrix``
+    (codes and scales as stored, never dequantized here). ``quantize`` ("int4") quantizes the plain
+    routed experts once read (``load_time_quantization``)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     targets = weight_targets(model, prefix)
     ignored = IGNORED_TENSORS + tuple(getattr(model, "ignored_checkpoint_tensors", lambda: ())())
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for shard in sorted(set(files.values())):
         with _open(shard) as f:
             for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+                tensor_slice = f.get_slice(name)
+                shapes[name] = tuple(tensor_slice.get_shape())
+                dtypes[name] = tensor_slice.get_dtype()
     index_only = sorted(n for n, p in files.items() if n not in shapes)
+    shapes, quantized, problems = logical_view(shapes, dtypes, quantization)
+    receivers = quantized_receivers(model, prefix)
+    unrunnable = sorted(n for n in quantized if n in targets and n not in receivers)
     missing = sorted(n for n in targets if n not in shapes)
     unexpected = sorted(n for n in shapes if n not in targets and not any(p.match(n) for p in ignored))
     misshaped = [
@@ -128,7 +165,11 @@ def load_weights(
         for n in sorted(targets)
         if n in shapes and shapes[n] != tuple(targets[n].shape)
     ]
-    problems = []
+    if unrunnable:
+        problems.append(f"stored quantized where eaglet runs only plain weights: {_clip(unrunnable)}")
+    mixed = partly_quantized(model, quantized, prefix)
+    if mixed:
+        problems.append(f"weights multiplied as one stack stored in different forms: {_clip(mixed)}")
     if index_only:
         problems.append(f"listed in the index but absent from their shard: {_clip(index_only)}")
     if missing:
@@ -142,9 +183,20 @@ def load_weights(
 
     by_shard: dict[Path, list[str]] = {}
     for name in targets:
-        by_shard.setdefault(files[name], []).append(name)
+        if name not in quantized:
+            by_shard.setdefault(files[name], []).append(name)
     progress = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not show_progress)
     with torch.no_grad():
+        # Quantized weights by the shard of their codes, that shard and the ones holding their
+        # scales open together: one shard's pages are mapped at a time, as for plain tensors.
+        by_codes_shard: dict[Path, list[str]] = {}
+        for name in sorted(n for n in quantized if n in targets):
+            by_codes_shard.setdefault(files[quantized[name].parts["codes"]], []).append(name)
+        for names in by_codes_shard.values():
+            with _ShardReader(files) as shards:
+                for name in names:
+                    receivers[name](quantized_matrix(quantized[name], shards.read, quantization))
+                    progress.update(1)
         for shard, names in sorted(by_shard.items()):
             with _open(shard) as f:
                 for name in names:
@@ -154,6 +206,8 @@ def load_weights(
                     targets[name].copy_(tensor)
                     progress.update(1)
     progress.close()
+    if quantize is not None:
+        quantize_routed_experts(model, quantize)
     _tie(model)
     # Children first: a module that prepares itself from its children's weight methods (a decoder
     # stack) finds them made.

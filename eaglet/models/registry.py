@@ -77,11 +77,14 @@ def build_model(config: ModelConfig, dtype: torch.dtype, backend: Backend) -> nn
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", *, backend: Backend, show_progress: bool = True
+    model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", *, backend: Backend, show_progress: bool = True,
+    quantize: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
+    """The model of a checkpoint directory, loaded; ``quantize`` ("int4"): its plain routed experts
+    quantized at load time."""
     raw = read_config_json(model_dir)
     entry = entry_for(raw)
     config = entry.parse_config(raw)
     model = build_model(config, resolve_dtype(dtype), backend)
-    entry.load_weights(model, model_dir, show_progress=show_progress)
+    entry.load_weights(model, model_dir, show_progress=show_progress, quantization=config.quantization, quantize=quantize)
     return model, config

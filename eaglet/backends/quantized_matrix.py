@@ -1,0 +1,122 @@
+"""A weight matrix stored quantized as a checkpoint ships it: codes plus one scale per row per group of
+columns. Two formats:
+
+- ``int4``: compressed-tensors ``pack-quantized`` (Kimi-K2.5's routed experts). ``codes`` int32
+  [..., out, in / 8], eight values per int32 stored as value + 8 in unsigned nibbles, the least
+  significant nibble first along the input dimension; ``scales`` [..., out, in / group_size].
+- ``fp8``: DeepSeek-V3's e4m3 block quantization. ``codes`` float8_e4m3fn [..., out, in]; the
+  checkpoint's one ``weight_scale_inv`` per 128 x 128 block is kept per row ([..., out, ceil(in /
+  128)] float32, 3% of the codes' bytes) so that matrices concatenate by rows at any row count
+  (gate with up, q_a with kv_a) and every format is "one scale per row per column group".
+
+The weight is ``code * scale`` for each element; methods multiply by it without ever holding the
+whole matrix dequantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_PER_INT32 = 8
+INT4_OFFSET = 8
+FORMATS = ("int4", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    format: str  # one of FORMATS
+    codes: torch.Tensor
+    scales: torch.Tensor
+    group_size: int  # columns per scale
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"quantized matrix format {self.format!r} is not one of {FORMATS}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical [..., out, in] shape."""
+        return (*self.codes.shape[:-1], self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def __getitem__(self, index: int) -> QuantizedMatrix:
+        """One matrix of a stack (an expert of [E, out, in])."""
+        return QuantizedMatrix(self.format, self.codes[index], self.scales[index], self.group_size, self.in_features)
+
+    def rows(self, start: int, stop: int) -> QuantizedMatrix:
+        """Output rows start..stop of a 2-D matrix (a view)."""
+        return QuantizedMatrix(self.format, self.codes[start:stop], self.scales[start:stop], self.group_size, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [..., out, in] weight, computed in float32 (exact for int4 codes times bfloat16 scales)."""
+        if self.format == "int4":
+            values = unpack_int4(self.codes, self.in_features).float()
+        else:
+            values = self.codes.float()
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=-1)[..., : self.in_features]
+        return (values * scales).to(dtype)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int8 values [..., out, in] of pack-quantized int32 words [..., out, in / 8]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed[..., None] >> shifts) & 0xF
+    return (nibbles.reshape(*packed.shape[:-1], -1)[..., :in_features] - INT4_OFFSET).to(torch.int8)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``unpack_int4`` for int values in [-8, 7], in % 8 == 0."""
+    nibbles = (values.to(torch.int32) + INT4_OFFSET).reshape(*values.shape[:-1], -1, INT4_PER_INT32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (nibbles << shifts).sum(-1, dtype=torch.int32)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
+    """Symmetric int4 of a [..., out, in] weight by compressed-tensors' rule: per group of
+    ``group_size`` columns a bfloat16 scale absmax / 7.5, values round(w / scale) clamped to [-8, 7]."""
+    if weight.shape[-1] % group_size:
+        raise ValueError(f"int4 groups of {group_size} columns do not divide a width of {weight.shape[-1]}")
+    groups = weight.reshape(*weight.shape[:-1], -1, group_size)
+    scales = (groups.float().abs().amax(-1) / 7.5).bfloat16()
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    # Divided in the weight's dtype (bfloat16 / bfloat16 rounds to bfloat16), as compressed-tensors does.
+    values = (groups / scales[..., None]).round().clamp(-8, 7).reshape(weight.shape)
+    return QuantizedMatrix("int4", pack_int4(values), scales, group_size, weight.shape[-1])
+
+
+def cat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
+    """Matrices of one format, group size and input width stacked by rows (gate on up)."""
+    first = parts[0]
+    _check_alike(parts)
+    return QuantizedMatrix(
+        first.format, torch.cat([p.codes for p in parts], dim=-2), torch.cat([p.scales for p in parts], dim=-2),
+        first.group_size, first.in_features,
+    )
+
+
+def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
+    """Equal-shaped matrices as one [E, out, in] stack (a layer's experts)."""
+    first = parts[0]
+    _check_alike(parts)
+    return QuantizedMatrix(
+        first.format, torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]),
+        first.group_size, first.in_features,
+    )
+
+
+def _check_alike(parts: list[QuantizedMatrix]) -> None:
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.format, p.group_size, p.in_features, p.scales.dtype) != (
+            first.format, first.group_size, first.in_features, first.scales.dtype
+        ):
+            raise ValueError(
+                f"cannot join quantized matrices of different forms: {p.format}/{p.group_size}/{p.in_features} "
+                f"and {first.format}/{first.group_size}/{first.in_features}"
+            )

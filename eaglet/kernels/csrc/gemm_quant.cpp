@@ -1,0 +1,295 @@
+// GEMMs on weights as quantized checkpoints store them, unpacked in registers (never a dequantized
+// copy of the matrix):
+//
+// - int4_linear: compressed-tensors pack-quantized int4. codes int32 [N, K / 8], eight values per
+//   word as value + 8 in nibbles, least significant first along k; scales [N, K / group]
+//   (bfloat16 or float32), group a multiple of 32.
+// - fp8_linear: e4m3 codes [N, K] (one byte each) with float32 scales [N, ceil(K / group)].
+//
+// out [M, N] float32 = x [M, K] (float32 or bfloat16) times the weight's transpose. Each output is
+// one product chain in k order with 8 float32 partial sums and a fixed final reduction, the same
+// whatever M is: a row's result does not depend on its batch. Threads split the N outputs only.
+#include "ops.h"
+
+#include <cmath>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EAGLET_QUANT_AVX2 1
+#endif
+
+namespace eaglet {
+
+namespace {
+
+constexpr int64_t kChunk = 64;  // int4: k values per step (8 words, one per lane)
+constexpr int kRowsAtOnce = 4;  // x rows sharing each unpacked weight chunk
+constexpr int64_t kRowBlock = 64;  // x rows against which a thread's columns run before the next rows (a multiple of 4)
+
+// x rows as float32 in the int4 kernel's order: within each 64-value chunk, position 8 * j + w holds
+// x[64 c + 8 w + j], so shifting 8 loaded words by 4 j gives, in lane w, the weight that multiplies
+// it. Also per chunk and lane the sum of the 8 x values the lane meets, times 8: the nibbles are
+// value + 8, and sum x * (q + 8) - 8 * sum x = sum x * q.
+struct Int4Rows {
+  std::vector<float> x, offset;
+  int64_t chunks;
+
+  Int4Rows(const at::Tensor& input, int64_t k) : chunks((k + kChunk - 1) / kChunk) {
+    const int64_t m = input.size(0);
+    const at::Tensor xf = input.to(at::kFloat).contiguous();
+    const float* src = xf.data_ptr<float>();
+    x.assign(m * chunks * kChunk, 0.0f);
+    offset.assign(m * chunks * 8, 0.0f);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int w = 0; w < 8; ++w) {
+          float sum = 0.0f;
+          for (int j = 0; j < 8; ++j) {
+            const int64_t col = c * kChunk + 8 * w + j;
+            const float v = col < k ? src[r * k + col] : 0.0f;
+            x[(r * chunks + c) * kChunk + 8 * j + w] = v;
+            sum += v;
+          }
+          offset[(r * chunks + c) * 8 + w] = 8.0f * sum;
+        }
+      }
+    }
+  }
+};
+
+template <typename S>
+inline float scale_at(const S* scales, int64_t g) { return static_cast<float>(scales[g]); }
+
+#if defined(EAGLET_QUANT_AVX2)
+inline float reduce8(__m256 v) {
+  // Fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 p = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
+}
+
+// Words w0 .. w0 + 7 of a codes row (fewer at the row's end: the rest read as zero nibbles, whose
+// x values are zero too).
+inline __m256i load_words(const int32_t* codes, int64_t w0, int64_t words) {
+  if (w0 + 8 <= words) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + w0));
+  alignas(32) int32_t tail[8] = {0};
+  for (int64_t i = w0; i < words; ++i) tail[i - w0] = codes[i];
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+}
+#endif
+
+// out[r][n] for rows r0 .. r0 + NR - 1 (NR <= kRowsAtOnce, a constant so the per-row sums stay in
+// registers) of one weight row n.
+template <int NR, typename S>
+void int4_row(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
+              int64_t group, float* out, int64_t out_stride) {
+  constexpr int nr = NR;
+#if defined(EAGLET_QUANT_AVX2)
+  __m256 acc[NR];
+  for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  for (int64_t c = 0; c < rows.chunks; ++c) {
+    const __m256i packed = load_words(codes, c * 8, words);
+    // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
+    const int64_t k0 = c * kChunk;
+    const float s_lo = scale_at(scales, k0 / group);
+    const float s_hi = k0 + 32 < words * 8 ? scale_at(scales, (k0 + 32) / group) : 0.0f;
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+    __m256 dot[NR];
+    const float* x0 = rows.x.data() + (r0 * rows.chunks + c) * kChunk;
+    const int64_t x_stride = rows.chunks * kChunk;
+    {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(packed, low4));
+      for (int r = 0; r < nr; ++r) dot[r] = _mm256_mul_ps(_mm256_loadu_ps(x0 + r * x_stride), q);
+    }
+#pragma GCC unroll 7
+    for (int j = 1; j < 8; ++j) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(packed, 4 * j), low4));
+      for (int r = 0; r < nr; ++r) dot[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + r * x_stride + 8 * j), q, dot[r]);
+    }
+    for (int r = 0; r < nr; ++r) {
+      const __m256 off = _mm256_loadu_ps(rows.offset.data() + ((r0 + r) * rows.chunks + c) * 8);
+      acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(dot[r], off), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; ++r) out[(r0 + r) * out_stride] = reduce8(acc[r]);
+#else
+  for (int r = 0; r < nr; ++r) {
+    float acc[8] = {0};
+    for (int64_t c = 0; c < rows.chunks; ++c) {
+      const int64_t k0 = c * kChunk;
+      for (int w = 0; w < 8; ++w) {
+        const int64_t word = c * 8 + w;
+        const uint32_t bits = word < words ? static_cast<uint32_t>(codes[word]) : 0u;
+        const float s = word < words ? scale_at(scales, (k0 + 8 * w) / group) : 0.0f;
+        float dot = 0.0f;
+        for (int j = 0; j < 8; ++j) {
+          const float q = static_cast<float>((bits >> (4 * j)) & 0xF);
+          const float xv = rows.x[((r0 + r) * rows.chunks + c) * kChunk + 8 * j + w];
+          dot = j == 0 ? xv * q : std::fma(xv, q, dot);
+        }
+        acc[w] = std::fma(dot - rows.offset[((r0 + r) * rows.chunks + c) * 8 + w], s, acc[w]);
+      }
+    }
+    out[(r0 + r) * out_stride] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  }
+#endif
+}
+
+void check_common(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
+              ": float32 or bfloat16 x [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), op, ": contiguous codes [N, ...]");
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == codes.size(0), op, ": scales [N, groups]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, op,
+              ": float32 or bfloat16 scales");
+  TORCH_CHECK(group > 0 && group % 32 == 0, op, ": a group of a multiple of 32 columns");
+  TORCH_CHECK(scales.size(1) == (x.size(1) + group - 1) / group, op, ": ", scales.size(1), " scale groups for K = ",
+              x.size(1));
+}
+
+// An e4m3 byte as float32: its exponent and mantissa moved to bits 20-26 and its sign to bit 31 read
+// as a float32 give the value times 2^-120 (exactly, for normal and subnormal codes alike), which
+// one multiplication by 2^120 restores.
+constexpr float kFp8Rescale = 1.329227995784916e36f;  // 2^120
+
+#if defined(EAGLET_QUANT_AVX2)
+inline __m256 fp8_values(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(kFp8Rescale));
+}
+#endif
+
+inline float fp8_value(uint8_t b) {
+  const uint32_t bits = (static_cast<uint32_t>(b & 0x7F) << 20) | (static_cast<uint32_t>(b & 0x80) << 24);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * kFp8Rescale;
+}
+
+// out[r][n] for rows r0 .. r0 + nr - 1 of one fp8 weight row n (x float32 [M, K]): per group, 8
+// partial sums of x * code, then acc += partial * the group's scale.
+template <int NR>
+void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const float* scales, int64_t group,
+             float* out, int64_t out_stride) {
+  constexpr int nr = NR;
+  const int64_t groups = (k + group - 1) / group;
+#if defined(EAGLET_QUANT_AVX2)
+  __m256 acc[NR];
+  for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t start = g * group, stop = std::min(k, start + group);
+    __m256 dot[NR];
+    for (int r = 0; r < nr; ++r) dot[r] = _mm256_setzero_ps();
+    for (int64_t i = start; i < stop; i += 8) {
+      const int64_t count = std::min<int64_t>(8, stop - i);
+      alignas(32) uint8_t code_tail[8] = {0};
+      if (count < 8) std::memcpy(code_tail, codes + i, count);
+      const __m256 w = fp8_values(count < 8 ? code_tail : codes + i);
+      for (int r = 0; r < nr; ++r) {
+        const float* row = x + (r0 + r) * k + i;
+        __m256 xv;
+        if (count == 8) {
+          xv = _mm256_loadu_ps(row);
+        } else {
+          alignas(32) float x_tail[8] = {0};
+          std::memcpy(x_tail, row, count * sizeof(float));
+          xv = _mm256_load_ps(x_tail);
+        }
+        dot[r] = _mm256_fmadd_ps(xv, w, dot[r]);
+      }
+    }
+    const __m256 scale = _mm256_set1_ps(scales[g]);
+    for (int r = 0; r < nr; ++r) acc[r] = _mm256_fmadd_ps(dot[r], scale, acc[r]);
+  }
+  for (int r = 0; r < nr; ++r) out[(r0 + r) * out_stride] = reduce8(acc[r]);
+#else
+  for (int r = 0; r < nr; ++r) {
+    float acc[8] = {0};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t start = g * group, stop = std::min(k, start + group);
+      float dot[8] = {0};
+      for (int64_t i = start; i < stop; ++i) {
+        dot[(i - start) % 8] = std::fma(x[(r0 + r) * k + i], fp8_value(codes[i]), dot[(i - start) % 8]);
+      }
+      for (int l = 0; l < 8; ++l) acc[l] = std::fma(dot[l], scales[g], acc[l]);
+    }
+    out[(r0 + r) * out_stride] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  }
+#endif
+}
+
+// Splits the N outputs over threads once the work pays for the pool's wake-up; body<NR>(col, r0)
+// computes rows r0 .. r0 + NR - 1 of output col. Rows go in blocks of kRowBlock, each block against
+// every column of the thread, so a prefill chunk's x block stays in cache while the weight streams.
+template <typename F>
+void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
+  const int64_t grain = m * n * k >= kParallelWork ? std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, m * k)) : n;
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t block = 0; block < m; block += kRowBlock) {
+      const int64_t block_end = std::min(m, block + kRowBlock);
+      for (int64_t col = n0; col < n1; ++col) {
+        int64_t r0 = block;
+        for (; r0 + kRowsAtOnce <= block_end; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col, r0);
+        switch (block_end - r0) {
+          case 3: body(std::integral_constant<int, 3>{}, col, r0); break;
+          case 2: body(std::integral_constant<int, 2>{}, col, r0); break;
+          case 1: body(std::integral_constant<int, 1>{}, col, r0); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
+  check_common(x, codes, scales, group, "int4_linear");
+  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.size(1) * 8 == x.size(1), "int4_linear: int32 codes [N, K / 8]");
+  const int64_t m = x.size(0), n = codes.size(0), k = x.size(1), words = codes.size(1);
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return out;
+  const Int4Rows rows(x, k);
+  const int32_t* code_data = codes.data_ptr<int32_t>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t groups = scales.size(1);
+  if (scales.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
+      int4_row<decltype(rows_at_once)::value>(rows, r0, code_data + col * words, s + col * groups, words, group,
+                                               out_data + col, n);
+    });
+  } else {
+    const float* s = scales.data_ptr<float>();
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
+      int4_row<decltype(rows_at_once)::value>(rows, r0, code_data + col * words, s + col * groups, words, group,
+                                               out_data + col, n);
+    });
+  }
+  return out;
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
+  check_common(x, codes, scales, group, "fp8_linear");
+  TORCH_CHECK(codes.element_size() == 1 && codes.size(1) == x.size(1), "fp8_linear: one-byte codes [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "fp8_linear: float32 scales");
+  const int64_t m = x.size(0), n = codes.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* x_data = xf.data_ptr<float>();
+  const uint8_t* code_data = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* s = scales.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t groups = scales.size(1);
+  for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
+    fp8_row<decltype(rows_at_once)::value>(x_data, k, r0, code_data + col * k, s + col * groups, group, out_data + col, n);
+  });
+  return out;
+}
+
+}  // namespace eaglet

@@ -1,0 +1,91 @@
+"""Products with quantized matrices: the int4 codes read as compressed-tensors packs them, the C++
+kernels and the PyTorch form against a float64 product with the dequantized weight, and a row's
+bits the same in any batch."""
+
+import pytest
+import torch
+
+from eaglet import kernels
+from eaglet.backends.cpu.quantized_weights import KernelQuantizedLinear
+from eaglet.backends.pytorch.quantized_weights import DequantizingLinear
+from eaglet.backends.quantized_matrix import QuantizedMatrix, unpack_int4
+from eaglet.testing.quantized_checkpoints import fp8_block_quantize, int4_scheme
+
+LINEARS = [DequantizingLinear, KernelQuantizedLinear]
+
+
+def int4_matrix(out_features: int, in_features: int, group_size: int, seed: int = 0) -> QuantizedMatrix:
+    """A random matrix compressed by compressed-tensors' pack-quantized compressor."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    scheme = int4_scheme(group_size)
+    groups = weight.float().view(out_features, -1, group_size)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    packed = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale.bfloat16()}, scheme)
+    return QuantizedMatrix("int4", packed["weight_packed"], packed["weight_scale"], group_size, in_features)
+
+
+def fp8_matrix(out_features: int, in_features: int, seed: int = 0) -> QuantizedMatrix:
+    g = torch.Generator().manual_seed(seed)
+    codes, block_scales = fp8_block_quantize(torch.randn(out_features, in_features, generator=g) * 0.05)
+    scales = block_scales.repeat_interleave(128, dim=0)[:out_features].contiguous()
+    return QuantizedMatrix("fp8", codes, scales, 128, in_features)
+
+
+def reference(x: torch.Tensor, matrix: QuantizedMatrix) -> torch.Tensor:
+    return (x.double() @ matrix.dequantize(torch.float64).t()).float()
+
+
+def needs_kernels(linear: type) -> None:
+    if linear is KernelQuantizedLinear and not kernels.available():
+        pytest.skip(f"eaglet CPU kernels unavailable: {kernels.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_codes_read_as_compressed_tensors_decompresses_them(group_size):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    matrix = int4_matrix(48, 256, group_size)
+    assert torch.equal(unpack_int4(matrix.codes, 256), unpack_from_int32(matrix.codes, 4, torch.Size([48, 256])))
+    parts = {"weight_packed": matrix.codes, "weight_scale": matrix.scales.float(), "weight_shape": torch.tensor([48, 256])}
+    decompressed = PackedQuantizationCompressor.decompress(parts, int4_scheme(group_size))["weight"]
+    assert torch.equal(matrix.dequantize(), decompressed.float())
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+@pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_product(linear, group_size, in_features, dtype):
+    needs_kernels(linear)
+    matrix = int4_matrix(40, in_features, group_size, seed=in_features)
+    x = torch.randn(5, in_features).to(dtype)
+    out = linear(matrix).apply_float(x)
+    torch.testing.assert_close(out, reference(x, matrix), atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+@pytest.mark.parametrize("in_features", [64, 100, 200, 384])
+def test_fp8_product(linear, in_features):
+    needs_kernels(linear)
+    matrix = fp8_matrix(150, in_features, seed=in_features)
+    x = torch.randn(6, in_features)
+    bias = torch.randn(150)
+    out = linear(matrix, bias).apply_float(x)
+    torch.testing.assert_close(out, reference(x, matrix) + bias, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_a_row_gets_the_same_bits_in_any_batch(linear, fmt):
+    needs_kernels(linear)
+    matrix = int4_matrix(96, 256, 32) if fmt == "int4" else fp8_matrix(96, 256)
+    method = linear(matrix)
+    x = torch.randn(40, 256)
+    full = method.apply_float(x)
+    for rows in (1, 2, 3, 5, 8, 17, 33):
+        assert torch.equal(method.apply_float(x[:rows]), full[:rows])
+        assert torch.equal(method.apply_float(x[rows - 1 : rows + 4]), full[rows - 1 : rows + 4])
