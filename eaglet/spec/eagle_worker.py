@@ -6,8 +6,10 @@ token, not yet cached):
 1. draft: step 0's top-k comes from the last draft extend; each later step runs the draft on the
    current frontier (B * topk tokens) at scratch row indices n + (step-1)*topk + f, position
    n - 1 + step, seeing the committed prefix and its own ancestors (custom mask);
-2. the best ``num_draft_tokens - 1`` candidates form the tree (``tree.py``); the target verifies
-   root + tree in one forward at row indices n .. n+N-1 with a tree mask, capturing its features;
+2. the best ``num_draft_tokens - 1`` candidates form the tree (``tree.py``); with structured
+   output, nodes the grammar rejects are cut and the verify logits masked (``grammar_drafts.py``);
+   the target verifies root + tree in one forward at row indices n .. n+N-1 with a tree mask,
+   capturing its features;
 3. ``verify.py`` picks the accepted path and the bonus token; the target's cache entries of the
    accepted nodes move to row indices n+1 .. n+a, the row is cut to n+1+a;
 4. the draft extend runs over root + accepted path (ids rotated: the accepted tokens then the
@@ -43,6 +45,7 @@ from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.drafter import Drafter, TorchDrafter
+from eaglet.spec.grammar_drafts import cut_rejected_drafts, mask_verify_logits
 from eaglet.spec.round_state import DraftState, RoundRows
 from eaglet.spec.stack_drafter import StackDrafter
 from eaglet.spec.tree import DraftTree, tree_attention_mask
@@ -238,7 +241,7 @@ class EagleWorker:
         self.catch_up(requests)
         self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
-        tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk)
+        tree = cut_rejected_drafts(self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk), requests)
         result, raw_logits, features = self._verify(requests, round_rows, tree, is_chain=topk == 1)
         round_result = self._commit(requests, round_rows, tree, result, raw_logits, features, is_chain=topk == 1)
         seconds["bookkeeping"] += time.perf_counter() - start - (seconds["draft"] + seconds["verify"] - model_seconds)
@@ -323,7 +326,7 @@ class EagleWorker:
         if output.greedy_ids is not None:
             return (verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n), self.backend.spec), None,
                     output.aux_hidden_states)
-        raw_logits = output.logits.view(batch_size, n, -1)
+        raw_logits = mask_verify_logits(output.logits.view(batch_size, n, -1), tree, requests)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         result = verify_greedy(tree.tokens, tree.parents, logits, self.backend.spec)
