@@ -90,8 +90,9 @@ class EagleWorker:
             hidden=torch.zeros(rows, draft_config.hidden_size, dtype=dtype, device=cache.device),
         )
         self.timer = PhaseTimer()
-        # Time the model forwards; decode() books the rest of a round as bookkeeping.
+        # Time the model forwards and the grammar's work; decode() books the rest of a round as bookkeeping.
         self._draft_clock, self._verify_clock = self.timer.clock("draft"), self.timer.clock("verify")
+        self._grammar_clock = self.timer.clock("grammar")
         torch_drafter = TorchDrafter(draft, self.draft_attention, self.states, spec.eagle_topk, backend.spec, self._draft_clock)
         self.drafter: Drafter = (
             StackDrafter(draft, self.draft_attention, self.states, spec.eagle_topk, torch_drafter)
@@ -237,14 +238,17 @@ class EagleWorker:
             raise ValueError(f"a round of top-{topk} and {num_draft_tokens} tokens exceeds the configured shape")
         start = time.perf_counter()
         seconds = self.timer.seconds
-        model_seconds = seconds["draft"] + seconds["verify"]
+        timed = ("draft", "verify", "grammar")
+        timed_before = sum(seconds[phase] for phase in timed)
         self.catch_up(requests)
         self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
-        tree = cut_rejected_drafts(self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk), requests)
+        tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk)
+        with self._grammar_clock:
+            tree = cut_rejected_drafts(tree, requests)
         result, raw_logits, features = self._verify(requests, round_rows, tree, is_chain=topk == 1)
         round_result = self._commit(requests, round_rows, tree, result, raw_logits, features, is_chain=topk == 1)
-        seconds["bookkeeping"] += time.perf_counter() - start - (seconds["draft"] + seconds["verify"] - model_seconds)
+        seconds["bookkeeping"] += time.perf_counter() - start - (sum(seconds[phase] for phase in timed) - timed_before)
         self.timer.rounds += 1
         return round_result
 
@@ -326,7 +330,8 @@ class EagleWorker:
         if output.greedy_ids is not None:
             return (verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n), self.backend.spec), None,
                     output.aux_hidden_states)
-        raw_logits = mask_verify_logits(output.logits.view(batch_size, n, -1), tree, requests)
+        with self._grammar_clock:
+            raw_logits = mask_verify_logits(output.logits.view(batch_size, n, -1), tree, requests)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         result = verify_greedy(tree.tokens, tree.parents, logits, self.backend.spec)
