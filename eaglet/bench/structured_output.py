@@ -1,7 +1,7 @@
 """Structured output under EAGLE-3 on the demo model: accept length with the grammar on and off,
 and what the grammar's work costs.
 
-    python -m eaglet.bench.structured_output [--prompts 8] [--max-new-tokens 48] [--json out.json]
+    python -m eaglet.bench.structured_output [--prompts 8] [--max-new-tokens 48] [--dtype bfloat16] [--json out.json]
 
 Greedy decoding of the same text prompts (the demo task's docs continuations) four ways: plain and
 EAGLE-3 chain (3 steps, 4 tokens), each free and constrained to a JSON schema. Reported per run:
@@ -43,12 +43,12 @@ SCHEMA = {
 CHAIN = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 
 
-def _llm(speculative: bool) -> LLM:
+def _llm(speculative: bool, dtype: str) -> LLM:
     spec: dict[str, Any] = {}
     if speculative:
         spec = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(DEMO_DRAFT_DIR),
                 "speculative_adaptive": False, **CHAIN}
-    return LLM(str(DEMO_TARGET_DIR), dtype="bfloat16", show_progress=False, max_running_requests=1, **spec)
+    return LLM(str(DEMO_TARGET_DIR), dtype=dtype, show_progress=False, max_running_requests=1, **spec)
 
 
 def _run(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -105,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     free = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     constrained = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, structured_output=structured)
     record: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
-    plain = _llm(speculative=False)
+    record["dtype"] = args.dtype
+    plain = _llm(speculative=False, dtype=args.dtype)
     for name, params in (("plain_free", free), ("plain_grammar", constrained)):
         record[name] = _run(plain, prompts, params)
-    spec = _llm(speculative=True)
+    spec = _llm(speculative=True, dtype=args.dtype)
     worker = spec.engine.spec_worker
     for name, params in (("spec_free", free), ("spec_grammar", constrained)):
         worker.timer.reset()
