@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from llguidance import LLMatcher
+
 from eaglet.errors import InvalidRequestError
 from eaglet.grammar.lark import JSON_OPTIONS
 from eaglet.grammar.matcher import GrammarMatcher
@@ -29,7 +31,7 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 if self._hf_tokenizer is None:
                     raise InvalidRequestError("structured output needs a tokenizer; this checkpoint has none")
-                import llguidance.hf
+                import llguidance.hf  # imports transformers: only where a grammar is used
 
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
@@ -38,8 +40,6 @@ class GrammarCompiler:
 
     def grammar(self, structured: StructuredOutput) -> str:
         """The llguidance grammar text; raises InvalidRequestError when it does not compile."""
-        from llguidance import LLMatcher
-
         try:
             if structured.lark is not None:
                 text = LLMatcher.grammar_from_lark(structured.lark)
@@ -60,8 +60,6 @@ class GrammarCompiler:
 
     def matcher(self, structured: StructuredOutput, final_token_ids: tuple[int, ...]) -> GrammarMatcher:
         """A fresh grammar state for one request whose output ends at any of ``final_token_ids``."""
-        from llguidance import LLMatcher
-
         matcher = LLMatcher(self._tokenizer(), self.grammar(structured), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid structured output: {matcher.get_error()}")
