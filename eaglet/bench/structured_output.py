@@ -48,7 +48,9 @@ def _llm(speculative: bool, dtype: str) -> LLM:
     if speculative:
         spec = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(DEMO_DRAFT_DIR),
                 "speculative_adaptive": False, **CHAIN}
-    return LLM(str(DEMO_TARGET_DIR), dtype=dtype, show_progress=False, max_running_requests=1, **spec)
+    llm = LLM(str(DEMO_TARGET_DIR), dtype=dtype, show_progress=False, max_running_requests=1, **spec)
+    llm.generate(["warm-up"], SamplingParams(max_new_tokens=8, temperature=0.0))  # first-call costs out of the timings
+    return llm
 
 
 def _run(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
