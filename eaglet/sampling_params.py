@@ -11,7 +11,12 @@ the same with and without speculative decoding):
 1. logits processing (changes greedy results too): ``min_tokens``, ``logit_bias``,
    ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``;
 2. shaping for sampling (ignored by greedy rows): ``temperature``, ``min_p``, ``top_k``, ``top_p``;
-3. ``logprobs`` / ``prompt_logprobs`` are computed from the raw model logits (before 1 and 2).
+3. ``logprobs`` / ``prompt_logprobs`` are computed from the raw model logits (before 1 and 2);
+   with ``structured_output``, output logprobs are those of the grammar-masked raw logits (as vLLM:
+   its grammar bitmask is applied before the sampler computes logprobs).
+
+``structured_output`` (``StructuredOutput``) constrains the output to a JSON schema, any JSON
+object, or a Lark grammar: the grammar's token mask applies before 1 (``eaglet/grammar/``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Real
+from typing import Any
 
 from eaglet.errors import InvalidRequestError
 
@@ -36,6 +42,27 @@ def _is_real(value: object) -> bool:
 
 def _bad(name: str, expected: str, value: object) -> InvalidRequestError:
     return InvalidRequestError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match; exactly one of the fields is set. The grammar itself is compiled
+    (and a bad schema refused) when the engine admits the request, where the tokenizer is known."""
+
+    json_schema: dict[str, Any] | None = None  # a JSON schema (OpenAI's response_format json_schema)
+    json_object: bool = False  # any JSON object (response_format json_object)
+    lark: str | None = None  # a Lark grammar in llguidance's syntax (constrained tool calls)
+
+    def __post_init__(self) -> None:
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise _bad("structured_output.json_schema", "a JSON schema (a dict)", self.json_schema)
+        if not isinstance(self.json_object, bool):
+            raise _bad("structured_output.json_object", "a bool", self.json_object)
+        if self.lark is not None and (not isinstance(self.lark, str) or not self.lark.strip()):
+            raise _bad("structured_output.lark", "a non-empty Lark grammar", self.lark)
+        chosen = [self.json_schema is not None, self.json_object, self.lark is not None]
+        if sum(chosen) != 1:
+            raise InvalidRequestError("structured_output needs exactly one of json_schema, json_object, lark")
 
 
 @dataclass
@@ -60,6 +87,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None = off; k >= 0 as above, per prompt token
     n: int = 1
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -111,6 +139,8 @@ class SamplingParams:
         self.stop = list(self.stop)
 
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise _bad("structured_output", "None or a StructuredOutput", self.structured_output)
 
     @staticmethod
     def _normalise_logit_bias(bias: object) -> dict[int, float]:
@@ -162,8 +192,8 @@ class SamplingParams:
     @property
     def greedy_ids_suffice(self) -> bool:
         """True if the argmax of the raw logits is all a decode step needs (greedy, no logits
-        processing, no logprobs): a forward may then skip writing the logits."""
-        return self.greedy and not self.needs_logits_processing and self.logprobs is None
+        processing, no grammar, no logprobs): a forward may then skip writing the logits."""
+        return self.greedy and not self.needs_logits_processing and self.logprobs is None and self.structured_output is None
 
     @property
     def needs_logits_processing(self) -> bool:

@@ -162,13 +162,23 @@ def test_tool_choice_none_required_and_named(plain_server, tokenizer) -> None:
     assert none.choices[0].message.content.startswith("Let me check.functions.get_weather:0")  # unparsed, markers skipped
     required = chat(plain_server, QUESTION, tools=[WEATHER_TOOL], tool_choice="required", extra_body=NO_THINKING)
     assert answer(required)["tool_calls"] == [WEATHER_CALL] and "tool_choice_unmet" not in required.choices[0].model_extra
+    # The scripted model would call get_weather; naming get_time constrains decoding to a get_time call.
     named = {"type": "function", "function": {"name": "get_time"}}
-    missed = chat(plain_server, QUESTION, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice=named, extra_body=NO_THINKING)
-    assert answer(missed)["tool_calls"] == [WEATHER_CALL]
-    assert "tool_choice named 'get_time' and the model called 'get_weather'" in missed.choices[0].model_extra["tool_choice_unmet"]
-    _, chunks = streamed(plain_server, QUESTION, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice=named, extra_body=NO_THINKING)
-    final = next(c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason)
-    assert final.model_extra["tool_choice_unmet"] == missed.choices[0].model_extra["tool_choice_unmet"]
+    forced = chat(plain_server, QUESTION, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice=named, extra_body=NO_THINKING)
+    [call] = answer(forced)["tool_calls"]
+    assert call["id"] == "functions.get_time:0" and call["name"] == "get_time" and isinstance(json.loads(call["arguments"]), dict)
+    assert forced.choices[0].finish_reason == "tool_calls" and "tool_choice_unmet" not in forced.choices[0].model_extra
+    joined, _ = streamed(plain_server, QUESTION, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice=named, extra_body=NO_THINKING)
+    assert joined == answer(forced)
+
+
+def test_required_tool_choice_leaves_the_thinking_free_and_constrains_the_answer(plain_server, spec_server) -> None:
+    """Thinking on: the grammar lets the reasoning run to </think>, then allows only the call
+    section (the scripted "Let me check." before it is masked away), with and without speculation."""
+    for server in (plain_server, spec_server):
+        result = answer(chat(server, QUESTION, tools=[WEATHER_TOOL], tool_choice="required"))
+        assert result == {"content": None, "reasoning_content": "".join(REASONING), "tool_calls": [WEATHER_CALL],
+                          "finish_reason": "tool_calls"}
 
 
 CALL_HISTORY = {"role": "assistant", "tool_calls": [{"id": CALL_ID, "type": "function",

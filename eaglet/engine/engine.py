@@ -20,6 +20,8 @@ from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.executor.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, ImageError, InvalidRequestError
+from eaglet.grammar.compiler import GrammarCompiler
+from eaglet.grammar.matcher import mask_logits
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.deepseek_v3 import ForwardOutput
@@ -83,6 +85,7 @@ class Engine:
         self.eos_token_ids = set(text.eos_token_ids) | _generation_eos(model_dir)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size, self.eos_token_ids)
         self.image_processor = None
         if self.model_config.is_multimodal:
             from eaglet.multimodal.image_processor import ImageProcessorConfig, KimiImageProcessor
@@ -158,8 +161,11 @@ class Engine:
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
-        final_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        req = Request(request_id, token_ids, params, mm_inputs, generator=generator, final_token_ids=tuple(sorted(final_ids)))
+        final_ids = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)))
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.matcher(params.structured_output, final_ids)
+        req = Request(request_id, token_ids, params, mm_inputs, generator=generator, final_token_ids=final_ids, grammar=grammar)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             req.stop_checker = StopStringChecker(params.stop, params.include_stop_str_in_output, params.min_tokens)
@@ -337,15 +343,15 @@ class Engine:
     def _sample(self, requests: list[Request], logits: torch.Tensor, rows: list[bool] | None = None) -> torch.Tensor:
         """Next tokens for the rows that need one (others get -1 and draw no random numbers).
 
-        Penalties, logit bias and min_tokens shape the logits first; logprobs are recorded from
-        the raw logits for requests that asked for them.
+        A request's grammar masks the raw logits first (logprobs are those of the masked logits, as
+        vLLM's); then penalties, logit bias and min_tokens shape them.
         """
         index = list(range(len(requests))) if rows is None else [i for i, needed in enumerate(rows) if needed]
         if not index:
             return torch.full((len(requests),), -1, dtype=torch.long)
         every_row = len(index) == len(requests)
         chosen = requests if every_row else [requests[i] for i in index]
-        raw = logits if every_row else logits[index]
+        raw = mask_logits(logits if every_row else logits[index], [r.grammar for r in chosen])
         processed = process_logits(
             raw, [LogitsRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids) for r in chosen], self.eos_token_ids
         )
@@ -370,6 +376,10 @@ class Engine:
             reason = None
             for i, token in enumerate(tokens):
                 reason = self._finish_reason(req, len(req.output_token_ids) + i + 1, token)
+                if req.grammar is not None and reason != "stop":  # a token that ends the request is no output
+                    req.grammar.accept(token)
+                    if req.grammar.finished:  # the output is complete: end it without asking for EOS
+                        reason = "stop"
                 if reason is not None:
                     tokens = tokens[: i + 1]
                     break

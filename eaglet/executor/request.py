@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from eaglet.grammar.matcher import GrammarMatcher
 from eaglet.layers.logits_processor import logprobs_of
 
 from eaglet.multimodal.inputs import MultimodalInputs
@@ -23,7 +24,7 @@ class RequestStatus(Enum):
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float  # log-probability under the raw model distribution
+    logprob: float  # log-probability under the raw model distribution (grammar-masked with structured output)
     top: list[tuple[int, float]]  # the most likely tokens with their log-probabilities, best first
 
 
@@ -59,6 +60,7 @@ class Request:
     spec_accept_lengths: list[int] = field(default_factory=list)
     # The tokens that end the request (its stop token ids, and EOS unless ignore_eos), sorted.
     final_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None  # with structured output: the state after the output so far
     # Read every step; the sampling params do not change once the request exists.
     greedy_ids_suffice: bool = field(init=False)
 

@@ -53,6 +53,7 @@ from eaglet.server.output_parsing import OutputParsing
 from eaglet.server.prompts import PromptEncoder
 from eaglet.server.step_tally import StepTally
 from eaglet.server.streams import SampleStreams
+from eaglet.server.structured_output import structured_output
 from eaglet.server.tool_calls import tool_use, unmet_tool_choice
 
 logger = logging.getLogger("eaglet.server")
@@ -118,6 +119,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
     parsing = OutputParsing.for_server(
         engine.tokenizer, config.tool_call_parser, config.reasoning_parser, engine.model_config.architecture
     )
+    special_ids = {text: engine.tokenizer.convert_tokens_to_ids(text) for text in parsing.special_texts}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -306,7 +308,10 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
             parse_tool_calls=tools.parse_calls, max_tool_calls=tools.max_calls, prompt_tail=prompt_tail,
             skip_special_tokens=body.skip_special_tokens,
         )
-        params = params_of(body, max_tokens, logprobs)
+        constraint = structured_output(body, tools, output_format.starts_in_reasoning, special_ids)
+        if constraint is not None:  # a schema or grammar that does not compile is a 400, found off the engine's thread
+            await asyncio.to_thread(engine.grammars.check, constraint)
+        params = dataclasses.replace(params_of(body, max_tokens, logprobs), structured_output=constraint)
         if parsing.engine_keeps_special_tokens(output_format):
             params = dataclasses.replace(params, skip_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -3,7 +3,8 @@
 Requests are validated strictly (no string-to-number coercion, no bools as numbers, no infinite
 numbers); ranges that SamplingParams also checks are repeated here so that the error names the
 OpenAI field. Fields OpenAI clients send that eaglet has no use for (``user``, ``metadata`` ...)
-are ignored. Tool calls (``tools``, ``tool_choice``, ``role: "tool"`` messages) and thinking
+are ignored. ``response_format`` (json_object, json_schema) constrains the output
+(``structured_output.py``). Tool calls (``tools``, ``tool_choice``, ``role: "tool"`` messages) and thinking
 (``chat_template_kwargs``, ``reasoning_content``) follow OpenAI's and vLLM's spelling.
 """
 
@@ -113,6 +114,18 @@ def _tool_choice(value: Any) -> ToolChoiceMode | NamedToolChoice:
 ToolChoice = Annotated[ToolChoiceMode | NamedToolChoice, PlainValidator(_tool_choice)]
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # ``schema`` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -150,6 +163,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None  # "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template ({"thinking": false})
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):

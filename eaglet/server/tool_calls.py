@@ -7,9 +7,10 @@ and whether the calls the model made satisfy them.
   unless started with ``--exclude-tools-when-tool-choice-none``; not telling the model of tools it
   may not call makes such stray calls rarer.)
 - ``"auto"``, ``"required"``, a named function: the tools are rendered and the output is read for
-  calls. ``"required"`` and a named function are not enforced while decoding (that needs
-  structured output: a grammar that constrains sampling, issue 36 item 3); they are checked once
-  the answer is complete, and a choice whose calls miss them says why in ``tool_choice_unmet``.
+  calls. ``"required"`` and a named function constrain decoding to the tool-call section with
+  arguments matching the tools' parameter schemas (``structured_output.py``); they are checked
+  again once the answer is complete (an output cut by max_tokens can still miss them), and a
+  choice whose calls miss them says why in ``tool_choice_unmet``.
 - ``parallel_tool_calls: false``: only the model's first call is returned.
 """
 
@@ -50,14 +51,13 @@ def tool_use(body: ChatCompletionRequest, parser_available: bool) -> ToolUse:
 
 def unmet_tool_choice(choice: ToolChoiceMode | NamedToolChoice, calls: list[ToolCall]) -> str | None:
     """Why the calls do not satisfy ``tool_choice``, or None when they do."""
-    not_enforced = "(eaglet does not constrain decoding to tool calls yet)"
     if choice == "required" and not calls:
-        return f"tool_choice 'required' asked for a tool call and the model made none {not_enforced}"
+        return "tool_choice 'required' asked for a tool call and the model made none (the output ended before one)"
     if isinstance(choice, NamedToolChoice):
         wanted = choice.function.name
         if not calls:
-            return f"tool_choice named {wanted!r} and the model made no tool call {not_enforced}"
+            return f"tool_choice named {wanted!r} and the model made no tool call (the output ended before one)"
         others = sorted({call.function.name for call in calls} - {wanted})
         if others:
-            return f"tool_choice named {wanted!r} and the model called {', '.join(map(repr, others))} {not_enforced}"
+            return f"tool_choice named {wanted!r} and the model called {', '.join(map(repr, others))}"
     return None

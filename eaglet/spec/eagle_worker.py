@@ -6,8 +6,10 @@ token, not yet cached):
 1. draft: step 0's top-k comes from the last draft extend; each later step runs the draft on the
    current frontier (B * topk tokens) at scratch row indices n + (step-1)*topk + f, position
    n - 1 + step, seeing the committed prefix and its own ancestors (custom mask);
-2. the best ``num_draft_tokens - 1`` candidates form the tree (``tree.py``); the target verifies
-   root + tree in one forward at row indices n .. n+N-1 with a tree mask, capturing its features;
+2. the best ``num_draft_tokens - 1`` candidates form the tree (``tree.py``); with structured
+   output, nodes the grammar rejects are cut and the verify logits masked (``grammar_drafts.py``);
+   the target verifies root + tree in one forward at row indices n .. n+N-1 with a tree mask,
+   capturing its features;
 3. ``verify.py`` picks the accepted path and the bonus token; the target's cache entries of the
    accepted nodes move to row indices n+1 .. n+a, the row is cut to n+1+a;
 4. the draft extend runs over root + accepted path (ids rotated: the accepted tokens then the
@@ -43,6 +45,7 @@ from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
 from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.drafter import Drafter, TorchDrafter
+from eaglet.spec.grammar_drafts import cut_rejected_drafts, mask_verify_logits
 from eaglet.spec.round_state import DraftState, RoundRows
 from eaglet.spec.stack_drafter import StackDrafter
 from eaglet.spec.tree import DraftTree, tree_attention_mask
@@ -87,8 +90,9 @@ class EagleWorker:
             hidden=torch.zeros(rows, draft_config.hidden_size, dtype=dtype, device=cache.device),
         )
         self.timer = PhaseTimer()
-        # Time the model forwards; decode() books the rest of a round as bookkeeping.
+        # Time the model forwards and the grammar's work; decode() books the rest of a round as bookkeeping.
         self._draft_clock, self._verify_clock = self.timer.clock("draft"), self.timer.clock("verify")
+        self._grammar_clock = self.timer.clock("grammar")
         torch_drafter = TorchDrafter(draft, self.draft_attention, self.states, spec.eagle_topk, backend.spec, self._draft_clock)
         self.drafter: Drafter = (
             StackDrafter(draft, self.draft_attention, self.states, spec.eagle_topk, torch_drafter)
@@ -234,14 +238,17 @@ class EagleWorker:
             raise ValueError(f"a round of top-{topk} and {num_draft_tokens} tokens exceeds the configured shape")
         start = time.perf_counter()
         seconds = self.timer.seconds
-        model_seconds = seconds["draft"] + seconds["verify"]
+        timed = ("draft", "verify", "grammar")
+        timed_before = sum(seconds[phase] for phase in timed)
         self.catch_up(requests)
         self.catch_up_seconds = time.perf_counter() - start
         round_rows = self._round_rows(requests)
         tree = self._draft_tree(requests, round_rows, num_steps, num_draft_tokens, topk)
+        with self._grammar_clock:
+            tree = cut_rejected_drafts(tree, requests)
         result, raw_logits, features = self._verify(requests, round_rows, tree, is_chain=topk == 1)
         round_result = self._commit(requests, round_rows, tree, result, raw_logits, features, is_chain=topk == 1)
-        seconds["bookkeeping"] += time.perf_counter() - start - (seconds["draft"] + seconds["verify"] - model_seconds)
+        seconds["bookkeeping"] += time.perf_counter() - start - (sum(seconds[phase] for phase in timed) - timed_before)
         self.timer.rounds += 1
         return round_result
 
@@ -323,7 +330,8 @@ class EagleWorker:
         if output.greedy_ids is not None:
             return (verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n), self.backend.spec), None,
                     output.aux_hidden_states)
-        raw_logits = output.logits.view(batch_size, n, -1)
+        with self._grammar_clock:
+            raw_logits = mask_verify_logits(output.logits.view(batch_size, n, -1), tree, requests)
         logits = raw_logits if round_rows.greedy_only else self._process_tree_logits(requests, tree, raw_logits)
         sampled_rows = [] if round_rows.greedy_only else [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         result = verify_greedy(tree.tokens, tree.parents, logits, self.backend.spec)

@@ -61,9 +61,10 @@ class SpecMetrics:
 
 
 class PhaseTimer:
-    """Wall time per phase of a speculative round (draft forwards, target verify, the rest)."""
+    """Wall time per phase of a speculative round (draft forwards, target verify, structured
+    output's grammar cuts and masks, the rest)."""
 
-    PHASES = ("draft", "verify", "bookkeeping")
+    PHASES = ("draft", "verify", "grammar", "bookkeeping")
 
     def __init__(self) -> None:
         self.reset()
