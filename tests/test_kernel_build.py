@@ -68,3 +68,13 @@ def test_a_finished_build_loads_without_compiling(tmp_path):
     (copy / "complete").unlink()  # an unfinished build is built (and here cannot be)
     out, err = _start(copy, no_build_tools).communicate(timeout=120)
     assert "no build tools" in out, err
+
+
+def test_checkouts_with_the_same_sources_build_apart(monkeypatch, tmp_path):
+    """ninja's build file names its sources by path: two checkouts sharing one directory would
+    rebuild it each time the other one loaded."""
+    here = build.build_dir()
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, copy)
+    monkeypatch.setattr(build, "SOURCE_DIR", copy)
+    assert build.build_dir() != here and build.build_dir().parent == here.parent

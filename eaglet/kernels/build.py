@@ -39,9 +39,10 @@ def build_dir() -> Path:
     """The build cache of these sources, torch version and CPU: the kernels are compiled with
     -march=native, so a build made on another CPU (a home directory shared between an AMX Xeon and
     an AVX512-BF16 EPYC, say) may use instructions this one lacks, or miss ones it has. The key
-    covers every source and header under ``csrc/``, by name and content."""
+    covers every source and header under ``csrc/``, by name and content, and where they are: ninja's
+    build file names the sources by path, so two checkouts sharing a directory would rebuild it in turn."""
     root = Path(os.environ.get("EAGLET_KERNEL_CACHE", Path.home() / ".cache" / "eaglet" / "kernels"))
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(str(SOURCE_DIR.resolve()).encode() + b"\0")
     for path in sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(torch.__version__.encode() + " ".join(sorted(cpu_info.cpu_flags())).encode())
