@@ -144,11 +144,13 @@ def test_rotating_query_and_key_together_equals_rotating_each(backend: Backend):
             assert torch.equal(q, rotary(q_pe, cos, sin)) and torch.equal(k, rotary(k_pe, cos, sin))
 
 
-def test_auto_dtype_follows_native_bf16_support():
+def test_auto_dtype_follows_native_bf16_support_or_the_tile_gemm():
     assert auto_dtype(frozenset({"avx2", "fma"})) == torch.float32
+    assert auto_dtype(frozenset({"avx2", "fma"}), tile_gemm=True) == torch.bfloat16
     assert auto_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
     assert auto_dtype(frozenset({"amx_bf16", "amx_tile"})) == torch.bfloat16
     assert resolve_dtype("auto") == (torch.bfloat16 if has_native_bf16() else torch.float32)
+    assert resolve_dtype("auto", tile_gemm=True) == torch.bfloat16
     with pytest.raises(ValueError, match="'auto'"):
         resolve_dtype("int8")
 

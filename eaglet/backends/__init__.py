@@ -62,7 +62,7 @@ def cpu_backend() -> Backend:
         weights=QuantizedWeightMethods(
             CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None), KernelQuantizedLinear
         ),
-        mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack,
+        mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack, tile_gemm=kernels.tile_backend() is not None,
     )
 
 

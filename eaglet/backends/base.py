@@ -159,6 +159,8 @@ class Backend:
     decoder_stack: Callable[[StackConfig, list[StackLayer]], DecoderStack | None]
     # Why the C++ kernels are not used, for the startup log, /metrics and the bench (None: they are).
     fallback_reason: str | None = None
+    # Whether bfloat16 matrices are multiplied on eaglet's tile GEMM (then dtype "auto" is bfloat16).
+    tile_gemm: bool = False
 
     @property
     def kernels(self) -> bool:

@@ -22,11 +22,12 @@ def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(flag in (cpu_flags() if flags is None else flags) for flag in NATIVE_BF16_FLAGS)
 
 
-def auto_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
-    """bfloat16 where the CPU multiplies it natively (AMX / AVX512-BF16), else float32.
+def auto_dtype(flags: frozenset[str] | None = None, tile_gemm: bool = False) -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (AMX / AVX512-BF16) or eaglet's tile GEMM
+    does (``tile_gemm``: AVX2 widens bfloat16 in registers), else float32.
 
-    Without native support a bfloat16 GEMM is emulated and runs several times slower than float32
-    (measured 10-17 vs 85 GFLOP/s on an AVX2-only EPYC); with it, bfloat16 halves the bytes each
-    decode step reads and its GEMMs are faster than float32's.
+    Emulated by oneDNN without native support a bfloat16 GEMM runs several times slower than
+    float32 (measured 10-17 vs 85 GFLOP/s on an AVX2-only EPYC); natively or on the tile GEMM,
+    bfloat16 halves the bytes each decode step reads and decodes faster than float32.
     """
-    return torch.bfloat16 if has_native_bf16(flags) else torch.float32
+    return torch.bfloat16 if tile_gemm or has_native_bf16(flags) else torch.float32

@@ -74,8 +74,8 @@ class Engine:
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise ConfigError(f"model path {config.model!r} is not a directory")
-        dtype = resolve_dtype(config.dtype)
         self.backend = select_backend(config.cpu_kernels)
+        dtype = resolve_dtype(config.dtype, self.backend.tile_gemm)
         self.model, self.model_config = load_model(
             model_dir, dtype, backend=self.backend, show_progress=config.show_progress, quantize=config.quantization
         )

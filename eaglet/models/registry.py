@@ -55,10 +55,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return parse_model_config(read_config_json(model_dir))
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A supported torch dtype from its name; ``"auto"`` picks what this CPU runs fastest (cpu_caps)."""
+def resolve_dtype(dtype: str | torch.dtype, tile_gemm: bool = False) -> torch.dtype:
+    """A supported torch dtype from its name; ``"auto"`` picks what this CPU runs fastest
+    (cpu_caps; ``tile_gemm``: the engine's backend multiplies bfloat16 on eaglet's tile GEMM)."""
     if dtype == "auto":
-        return auto_dtype()
+        return auto_dtype(tile_gemm=tile_gemm)
     if isinstance(dtype, torch.dtype):
         if dtype not in SUPPORTED_DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
