@@ -7,10 +7,10 @@ rows are padded to ``MIN_GEMM_ROWS``, from which on MKL's float32 product rounds
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from eaglet.backends.base import ExpertsMethod, LinearMethod, SwiGLUMethod, WeightMethods
 from eaglet.backends.pytorch.gemm_rows import MIN_GEMM_ROWS, rows_at_least
+from eaglet.backends.pytorch.weights import TorchSwiGLU
 from eaglet.backends.quantized_matrix import QuantizedMatrix
 
 # Output rows dequantized at a time: 128 rows of 7168 float32 values are 3.5 MB, about L2-L3 sized.
@@ -48,17 +48,6 @@ class DequantizingLinear:
         return None
 
 
-class QuantizedSwiGLU:
-    """down(silu(gate(x)) * up(x)) with gate;up and down each a quantized linear method."""
-
-    def __init__(self, gate_up: LinearMethod, down: LinearMethod) -> None:
-        self.gate_up, self.down = gate_up, down
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.apply(x).chunk(2, dim=-1)
-        return self.down.apply(F.silu(gate) * up)
-
-
 class QuantizedExperts:
     """Routed experts with quantized w13 [E, 2I, H] / w2 [E, H, I]: the tokens of each chosen expert
     in one product per matrix, then each token's experts summed in float32 in ascending expert id,
@@ -67,7 +56,7 @@ class QuantizedExperts:
     def __init__(self, w13: QuantizedMatrix, w2: QuantizedMatrix, linear: type) -> None:
         self.num_experts = w13.shape[0]
         self.per_expert = [
-            QuantizedSwiGLU(linear(w13[e]), linear(w2[e])) for e in range(self.num_experts)
+            TorchSwiGLU(linear(w13[e]), linear(w2[e])) for e in range(self.num_experts)
         ]
 
     def apply(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -113,7 +102,7 @@ class QuantizedWeightMethods:
 
     def swiglu(self, gate_up: torch.Tensor | QuantizedMatrix, down: torch.Tensor | QuantizedMatrix) -> SwiGLUMethod:
         if isinstance(gate_up, QuantizedMatrix) or isinstance(down, QuantizedMatrix):
-            return QuantizedSwiGLU(self.linear(gate_up), self.linear(down))
+            return TorchSwiGLU(self.linear(gate_up), self.linear(down))
         return self.inner.swiglu(gate_up, down)
 
     def experts(self, w13: torch.Tensor | QuantizedMatrix, w2: torch.Tensor | QuantizedMatrix) -> ExpertsMethod:

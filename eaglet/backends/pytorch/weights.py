@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eaglet.backends.base import LinearMethod
 from eaglet.backends.cpu_caps import has_native_bf16, packs_float32
 from eaglet.backends.pytorch.gemm_rows import MIN_BMM_ROWS, rows_at_least
 
@@ -108,7 +109,9 @@ class OneDnnLinear(DenseLinear):
 
 
 class TorchSwiGLU:
-    def __init__(self, gate_up: DenseLinear, down: DenseLinear) -> None:
+    """down(silu(gate(x)) * up(x)), gate;up and down each multiplied by its own linear method."""
+
+    def __init__(self, gate_up: LinearMethod, down: LinearMethod) -> None:
         self.gate_up, self.down = gate_up, down
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
