@@ -23,3 +23,8 @@ class ImageError(InvalidRequestError):
 
 class RequestFailedError(EagletError, RuntimeError):
     """A request was stopped because the engine step serving it raised; other requests go on."""
+
+
+class DistributedError(EagletError, RuntimeError):
+    """A tensor-parallel rank died, hung past the timeout, or could not join the group: the engine
+    cannot go on (every rank holds part of every layer)."""

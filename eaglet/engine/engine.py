@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -19,7 +20,10 @@ from eaglet.executor.model_runner import ModelRunner
 from eaglet.engine.prefix_cache import PrefixCache
 from eaglet.executor.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
-from eaglet.errors import ConfigError, ImageError, InvalidRequestError
+from eaglet.distributed.parallel_config import ParallelConfig
+from eaglet.distributed.tensor_parallel import CollectiveTime
+from eaglet.errors import ConfigError, DistributedError, ImageError, InvalidRequestError
+from eaglet.executor.tp_launch import RankGroup, RankLoad
 from eaglet.grammar.compiler import GrammarCompiler
 from eaglet.grammar.matcher import mask_logits
 from eaglet.layers.logits_processor import LogitsRow, process_logits
@@ -66,6 +70,21 @@ class EngineConfig:
     cpu_kernels: bool = True
     # "int4": the target's plain routed experts quantized at load time (Kimi-K2.5's int4 form).
     quantization: str | None = None
+    # Tensor parallelism (eaglet.distributed.parallel_config.ParallelConfig; SGLang's flag names).
+    tp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    cpu_omp_threads_bind: str | None = None
+    dist_timeout_s: float = 60.0
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tp_size, self.ep_size, self.nnodes, self.node_rank, self.dist_init_addr, self.cpu_omp_threads_bind,
+            self.dist_timeout_s,
+        )
 
 
 class Engine:
@@ -74,11 +93,33 @@ class Engine:
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise ConfigError(f"model path {config.model!r} is not a directory")
+        parallel = config.parallel
         self.backend = select_backend(config.cpu_kernels)
         dtype = resolve_dtype(config.dtype, self.backend.tile_gemm)
-        self.model, self.model_config = load_model(
-            model_dir, dtype, backend=self.backend, show_progress=config.show_progress, quantize=config.quantization
-        )
+        self.tp_group: RankGroup | None = None
+        if parallel.tp_size > 1:
+            load = RankLoad(str(model_dir), str(dtype).removeprefix("torch."), config.cpu_kernels, config.quantization)
+            self.tp_group = RankGroup(parallel, load)
+        try:
+            self._build(config, model_dir, dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model_dir: Path, dtype: torch.dtype) -> None:
+        tp = self.tp_group.tp if self.tp_group is not None else None
+        try:
+            self.model, self.model_config = load_model(
+                model_dir, dtype, backend=self.backend, show_progress=config.show_progress, quantize=config.quantization,
+                tp=tp,
+            )
+        except Exception as exc:
+            if self.tp_group is not None:  # the other ranks stop too; this rank's error is the one to raise
+                with contextlib.suppress(ConfigError):
+                    self.tp_group.agree_loaded(f"{type(exc).__name__}: {exc}")
+            raise
+        if self.tp_group is not None:
+            self.tp_group.agree_loaded(None)
         text = self.model_config.text
         self.context_len = min(config.context_length or text.max_position_embeddings, text.max_position_embeddings)
         self.tokenizer = _load_tokenizer(model_dir)
@@ -102,7 +143,7 @@ class Engine:
             block_bytes = text.num_hidden_layers * config.block_size * text.kv_cache_dim * dtype.itemsize
             by_memory = int(config.kv_cache_memory_gb * 2**30 // block_bytes)
             num_blocks = min(by_memory, config.max_running_requests * blocks_per_request)
-        self.cache = KVCacheManager(
+        geometry = dict(
             num_layers=text.num_hidden_layers,
             kv_cache_dim=text.kv_cache_dim,
             num_blocks=num_blocks + 1,
@@ -110,9 +151,15 @@ class Engine:
             max_requests=config.max_running_requests,
             max_context_len=self.context_len + self.spec_scratch,
             dtype=dtype,
-            ops=self.backend.cache,
         )
-        self.runner = ModelRunner(self.model, self.model_config, self.cache, self.backend.mla_attention(self.cache, None))
+        self.cache = KVCacheManager(**geometry, ops=self.backend.cache)
+        followers = None
+        if self.tp_group is not None:
+            followers = self.tp_group.followers
+            followers.setup_cache(geometry)
+        self.runner = ModelRunner(
+            self.model, self.model_config, self.cache, self.backend.mla_attention(self.cache, None), followers
+        )
         self.spec_worker: EagleWorker | None = None
         self.spec_metrics: SpecMetrics | None = None
         self.spec_policy: SpeculationPolicy | None = None
@@ -120,6 +167,11 @@ class Engine:
             draft, draft_config = load_eagle3_draft(
                 self.spec_config.draft_model_path, self.model_config, dtype, self.backend, show_progress=config.show_progress
             )
+            if self.tp_group is not None and not draft.own_lm_head:
+                raise ConfigError(
+                    "the draft has no lm_head of its own; under tensor parallelism the target's is split by "
+                    "vocabulary across the ranks and the draft (on rank 0) cannot share it"
+                )
             draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
             self.spec_worker = EagleWorker(
                 self.runner, draft, draft_config, self.spec_config, self.cache, self.backend, frozenset(self.eos_token_ids)
@@ -135,6 +187,22 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    # ---- the tensor-parallel group ----------------------------------------------------------
+    def check_health(self) -> None:
+        """Raises DistributedError once a tensor-parallel rank failed (no-op in one process)."""
+        if self.tp_group is not None:
+            self.tp_group.followers.check()
+
+    def collective_time(self) -> CollectiveTime | None:
+        """Rank 0's time inside collectives (tensor parallelism), for the bench's share of a step."""
+        return self.tp_group.tp.time if self.tp_group is not None else None
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (no-op in one process); the engine is unusable after."""
+        group, self.tp_group = getattr(self, "tp_group", None), None
+        if group is not None:
+            group.close()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None) -> str:
@@ -265,6 +333,9 @@ class Engine:
                 continue
             try:
                 touched += run()
+            except DistributedError as exc:  # the ranks are out of step: nothing can run any more
+                self._fail(phase, list(self.requests.values()), exc)
+                raise
             except Exception as exc:  # contained to the requests of the phase that raised
                 touched += self._fail(phase, requests, exc)
         for req in plan.prefill + plan.decode:

@@ -10,16 +10,44 @@ from eaglet.models.config import ModelConfig
 from eaglet.runtime.forward_batch import ForwardBatch
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.executor.request import Request, record_prompt_logprobs
+from eaglet.errors import DistributedError
+from eaglet.executor.tp_followers import Followers
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.multimodal.embedding import merge_image_features
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, config: ModelConfig, cache: KVCacheManager, attention: MLAAttentionBackend) -> None:
+    """Under tensor parallelism this is rank 0's: each forward of the target and each move of its
+    cache entries goes to the other ranks (``followers``) before it runs here."""
+
+    def __init__(
+        self, model: nn.Module, config: ModelConfig, cache: KVCacheManager, attention: MLAAttentionBackend,
+        followers: Followers | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.cache = cache
         self.attention = attention
+        self.followers = followers
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """The target model over ``batch``."""
+        if self.followers is None:
+            return self.model(batch, self.attention)
+        self.followers.forward(batch, self.cache)
+        try:
+            return self.model(batch, self.attention)
+        except DistributedError:
+            raise
+        except Exception as exc:  # the other ranks wait in this forward's collectives: out of step for good
+            self.followers.failed = DistributedError(f"rank 0's forward raised {type(exc).__name__}: {exc}")
+            raise self.followers.failed from exc
+
+    def copy_target_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves the target's cache entries from slots ``src`` to ``dst`` (an accepted tree path)."""
+        if self.followers is not None:
+            self.followers.copy_slots(src, dst)
+        self.cache.copy_slots(self.cache.target, src, dst)
 
     @torch.inference_mode()
     def extend(
@@ -60,7 +88,7 @@ class ModelRunner:
             greedy_ids_only=greedy_ids_only,
         )
         batch.input_embeds = self.merged_embeddings(requests, batch)
-        output = self.model(batch, self.attention)
+        output = self.forward(batch)
         if any(wants_prompt) and not all_logits:
             for req, start, num, wants in zip(requests, batch.extend_start_loc.tolist(), num_new_tokens, wants_prompt):
                 if wants:

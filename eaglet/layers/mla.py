@@ -10,9 +10,11 @@ from torch import nn
 from eaglet.backends.base import Backend, LinearMethod
 from eaglet.backends.pytorch.weights import dense_linear
 from eaglet.backends.quantized_matrix import QuantizedMatrix
+from eaglet.distributed.tensor_parallel import TensorParallel, TensorShard
+from eaglet.errors import ConfigError
 from eaglet.layers.linear import Linear
 from eaglet.layers.norms import RMSNorm
-from eaglet.layers.quantized_weight import WeightHolder, cat_weights
+from eaglet.layers.quantized_weight import WeightHolder, cat_weights, sharded
 from eaglet.layers.rotary import RopeConfig, RotaryEmbedding, softmax_scale
 
 if TYPE_CHECKING:
@@ -44,17 +46,26 @@ class MLAAttention(nn.Module):
     Weights keep the checkpoint names and [out, in] layout. ``input_size`` differs from hidden_size
     only for an EAGLE-3 MLA draft, whose q_a / kv_a projections read the 2*hidden concatenation.
     With q_lora_rank, q_a_proj and kv_a_proj_with_mqa are multiplied as one matrix (``qkv_a``).
+
+    Under tensor parallelism a rank holds ``num_attention_heads / tp.size`` heads: its rows of the
+    up-projections (q_b_proj / q_proj, kv_b_proj) and its columns of o_proj, whose output is then a
+    partial sum (the decoder layer all-reduces it). The down-projections, their norms and so the
+    latent cache are whole on every rank: each head reads all of the latent.
     """
 
     def __init__(
-        self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend, input_size: int | None = None
+        self, config: MLAConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend, input_size: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         ops, weights = backend.layers, backend.weights
         self.weights = weights
         input_size = input_size or config.hidden_size
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        if tp.enabled and config.attention_bias:
+            raise ConfigError("tensor parallelism: attention_bias (a bias on o_proj) is not supported")
+        self.num_heads = tp.part(config.num_attention_heads, "num_attention_heads")
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -65,18 +76,28 @@ class MLAAttention(nn.Module):
         self.q_lora_rank = config.q_lora_rank
         self.has_q_lora = config.q_lora_rank is not None
         kv_a_out = config.kv_lora_rank + config.qk_rope_head_dim
+
+        def by_heads(per_head: int) -> TensorShard | None:
+            return tp.rows(config.num_attention_heads * per_head, "attention heads")
+
         if config.q_lora_rank is None:
-            self.q_proj = Linear(input_size, heads_qk, False, weights)
+            self.q_proj = sharded(Linear(input_size, heads_qk, False, weights), by_heads(config.qk_head_dim))
             self.kv_a_proj_with_mqa = Linear(input_size, kv_a_out, config.attention_bias, weights)
         else:
             # Parameter holders: qkv_a multiplies them as one matrix.
             self.q_a_proj = WeightHolder(input_size, config.q_lora_rank, bias=config.attention_bias)
             self.kv_a_proj_with_mqa = WeightHolder(input_size, kv_a_out, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, ops)
-            self.q_b_proj = Linear(config.q_lora_rank, heads_qk, False, weights)
+            self.q_b_proj = sharded(Linear(config.q_lora_rank, heads_qk, False, weights), by_heads(config.qk_head_dim))
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, ops)
-        self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (config.qk_nope_head_dim + config.v_head_dim), False, weights)
-        self.o_proj = Linear(self.num_heads * config.v_head_dim, config.hidden_size, config.attention_bias, weights)
+        kv_b_per_head = config.qk_nope_head_dim + config.v_head_dim
+        self.kv_b_proj = sharded(
+            Linear(config.kv_lora_rank, self.num_heads * kv_b_per_head, False, weights), by_heads(kv_b_per_head)
+        )
+        self.o_proj = sharded(
+            Linear(self.num_heads * config.v_head_dim, config.hidden_size, config.attention_bias, weights),
+            tp.cols(config.num_attention_heads * config.v_head_dim, "attention heads"),
+        )
         # Set by process_weights_after_loading.
         self.w_uk: torch.Tensor | None = None  # [H, P, L] float32
         self.w_uv_t: torch.Tensor | None = None  # [H, L, V] float32

@@ -9,7 +9,8 @@ from torch import nn
 from eaglet.backends.base import Backend, ExpertsMethod, LayerOps, SwiGLUMethod, WeightMethods
 from eaglet.backends.pytorch.weights import dense_linear
 from eaglet.backends.quantized_matrix import QuantizedMatrix, stack
-from eaglet.layers.quantized_weight import WeightHolder, cat_weights, meta_parameter
+from eaglet.distributed.tensor_parallel import TensorParallel, TensorShard
+from eaglet.layers.quantized_weight import WeightHolder, cat_weights, meta_parameter, sharded
 
 
 class MoEConfig(Protocol):
@@ -28,13 +29,19 @@ class MoEConfig(Protocol):
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up stacked as one matrix after loading (one GEMM per
-    call; the checkpoint-named parameters become views of it), multiplied by the backend's method."""
+    call; the checkpoint-named parameters become views of it), multiplied by the backend's method.
+    Under tensor parallelism a rank holds a slice of the intermediate dimension and returns a partial
+    sum (the decoder layer all-reduces it)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, weights: WeightMethods) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, weights: WeightMethods, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.gate_proj = WeightHolder(hidden_size, intermediate_size, bias=False)
-        self.up_proj = WeightHolder(hidden_size, intermediate_size, bias=False)
-        self.down_proj = WeightHolder(intermediate_size, hidden_size, bias=False)
+        tp = tp or TensorParallel()
+        local = tp.part(intermediate_size, "MLP intermediate_size")
+        self.gate_proj = sharded(WeightHolder(hidden_size, local, bias=False), tp.rows(intermediate_size, "MLP"))
+        self.up_proj = sharded(WeightHolder(hidden_size, local, bias=False), tp.rows(intermediate_size, "MLP"))
+        self.down_proj = sharded(WeightHolder(local, hidden_size, bias=False), tp.cols(intermediate_size, "MLP"))
         self.weights = weights
         self.gate_up_weight: torch.Tensor | None = None  # [2 * intermediate, hidden], set after loading
         self.method: SwiGLUMethod | None = None
@@ -86,10 +93,31 @@ class NoAuxRouter(nn.Module):
 class RoutedExperts(nn.Module):
     """All routed experts' SwiGLU weights stacked: w13 = [gate; up] per expert, w2 = down, multiplied
     by the backend's experts method. The checkpoint stores each expert separately;
-    :meth:`checkpoint_weights` maps those names onto slices of the stacked tensors."""
+    :meth:`checkpoint_weights` maps those names onto slices of the stacked tensors.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, weights: WeightMethods) -> None:
+    Under tensor parallelism each rank holds either a slice of every expert's intermediate dimension
+    (the default) or, with ``tp.expert_parallel``, ``num_experts / tp.size`` whole experts, running
+    only the (token, expert) pairs routed to them. Either way the output is a partial sum that the
+    decoder layer all-reduces.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, weights: WeightMethods,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
+        self.total_experts = num_experts
+        self.first_expert = 0
+        self.inter_shard: tuple[TensorShard, TensorShard] | None = None
+        if tp.expert_parallel and tp.enabled:
+            num_experts = tp.part(num_experts, "n_routed_experts")
+            self.first_expert = tp.rank * num_experts
+        else:
+            rows, cols = tp.rows(intermediate_size, "moe_intermediate_size"), tp.cols(intermediate_size, "moe_intermediate_size")
+            intermediate_size = tp.part(intermediate_size, "moe_intermediate_size")
+            self.inter_shard = (rows, cols) if rows is not None and cols is not None else None
+        self.expert_parallel = self.first_expert > 0 or num_experts < self.total_experts
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
@@ -116,35 +144,71 @@ class RoutedExperts(nn.Module):
     def _stack_quantized(self) -> tuple[QuantizedMatrix, QuantizedMatrix]:
         # Every expert's three projections are here: the loader refuses experts stored partly quantized.
         parts = self.quantized_parts
-        w13 = stack([cat_weights([parts[f"{e}.gate_proj.weight"], parts[f"{e}.up_proj.weight"]])
-                     for e in range(self.num_experts)])
-        w2 = stack([parts[f"{e}.down_proj.weight"] for e in range(self.num_experts)])
+        owned = range(self.first_expert, self.first_expert + self.num_experts)
+        w13 = stack([cat_weights([parts[f"{e}.gate_proj.weight"], parts[f"{e}.up_proj.weight"]]) for e in owned])
+        w2 = stack([parts[f"{e}.down_proj.weight"] for e in owned])
         return w13, w2
 
     def checkpoint_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The checkpoint names of this rank's experts -> their slices of the stacked tensors."""
         inter = self.intermediate_size
         views: dict[str, torch.Tensor] = {}
-        for e in range(self.num_experts):
-            views[f"{prefix}{e}.gate_proj.weight"] = self.w13.data[e, :inter]
-            views[f"{prefix}{e}.up_proj.weight"] = self.w13.data[e, inter:]
-            views[f"{prefix}{e}.down_proj.weight"] = self.w2.data[e]
+        for local in range(self.num_experts):
+            e = self.first_expert + local
+            views[f"{prefix}{e}.gate_proj.weight"] = self.w13.data[local, :inter]
+            views[f"{prefix}{e}.up_proj.weight"] = self.w13.data[local, inter:]
+            views[f"{prefix}{e}.down_proj.weight"] = self.w2.data[local]
         return views
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, TensorShard]:
+        """Which slice of each expert's checkpoint tensors this rank holds (split intermediate dimension)."""
+        if self.inter_shard is None:
+            return {}
+        rows, cols = self.inter_shard
+        shards: dict[str, TensorShard] = {}
+        for name in self.checkpoint_weights(prefix):
+            shards[name] = cols if name.endswith("down_proj.weight") else rows
+        return shards
+
+    def unowned_checkpoint_tensors(self, prefix: str) -> set[str]:
+        """The other ranks' experts (expert parallelism): in the checkpoint, not read here."""
+        if not self.expert_parallel:
+            return set()
+        owned = range(self.first_expert, self.first_expert + self.num_experts)
+        return {
+            f"{prefix}{e}.{proj}.weight"
+            for e in range(self.total_experts) if e not in owned
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if self.method is None:
             raise RuntimeError("RoutedExperts runs after process_weights_after_loading (the loader calls it)")
-        return self.method.apply(x, weights, expert_ids)
+        if not self.expert_parallel:
+            return self.method.apply(x, weights, expert_ids)
+        # Only the (token, expert) pairs routed to this rank's experts, one pair per row; each
+        # token's pairs are summed back in ascending slot order.
+        local_ids = expert_ids - self.first_expert
+        tokens, slots = ((local_ids >= 0) & (local_ids < self.num_experts)).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if tokens.numel():
+            pairs = self.method.apply(x[tokens], weights[tokens, slots][:, None], local_ids[tokens, slots][:, None])
+            out.index_add_(0, tokens, pairs)
+        return out
 
 
 class MoE(nn.Module):
-    def __init__(self, config: MoEConfig, backend: Backend) -> None:
+    """Router (whole on every rank: each rank routes every token alike), routed experts and shared
+    experts; under tensor parallelism the output is a partial sum."""
+
+    def __init__(self, config: MoEConfig, backend: Backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate = NoAuxRouter(config, backend.layers)
         self.experts = RoutedExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, backend.weights
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, backend.weights, tp
         )
         self.shared_experts = (
-            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, backend.weights)
+            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, backend.weights, tp)
             if config.n_shared_experts
             else None
         )

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from eaglet.backends.quantized_matrix import QuantizedMatrix, cat_rows
+from eaglet.distributed.tensor_parallel import TensorShard
 
 
 class QuantizableWeight:
@@ -19,6 +20,9 @@ class QuantizableWeight:
 
     quantized_weight: QuantizedMatrix | None = None
     weight: nn.Parameter
+    # Under tensor parallelism: the slice of the checkpoint's weight (and, split by rows, bias) this
+    # rank holds; None holds it whole.
+    tensor_shard: TensorShard | None = None
 
     def hold_quantized(self, matrix: QuantizedMatrix) -> None:
         self.quantized_weight = matrix
@@ -32,6 +36,12 @@ class QuantizableWeight:
 class WeightHolder(QuantizableWeight, nn.Linear):
     """A parameter holder that its parent multiplies, alone or fused with others (SwiGLU's gate, up
     and down, MLA's two down-projections)."""
+
+
+def sharded(module: QuantizableWeight, shard: TensorShard | None) -> QuantizableWeight:
+    """``module``, loading only ``shard`` of its checkpoint weight."""
+    module.tensor_shard = shard
+    return module
 
 
 def meta_parameter(param: torch.Tensor) -> nn.Parameter:

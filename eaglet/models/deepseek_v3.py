@@ -14,11 +14,12 @@ from torch import nn
 from eaglet.backends.base import Backend
 from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
 from eaglet.backends.stack import DecoderStack, StackConfig, StackLayer
-from eaglet.layers.linear import Linear
+from eaglet.distributed.tensor_parallel import TensorParallel
 from eaglet.layers.mla import MLAAttention
 from eaglet.layers.moe import MoE, SwiGLU
 from eaglet.layers.norms import RMSNorm
 from eaglet.layers.rotary import RotaryEmbedding
+from eaglet.layers.vocab_parallel import VocabParallelLinear
 from eaglet.models.config import ModelConfig, TextConfig, parse_text_config
 from eaglet.models.quantization import parse_quantization
 from eaglet.runtime.forward_batch import ForwardBatch
@@ -80,13 +81,19 @@ def stack_layer(
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend) -> None:
+    """Attention then MLP, each added to the residual stream; under tensor parallelism each returns
+    a partial sum that is all-reduced before the add."""
+
+    def __init__(
+        self, config: TextConfig, layer_id: int, rotary: RotaryEmbedding, backend: Backend, tp: TensorParallel
+    ) -> None:
         super().__init__()
         ops = backend.layers
-        self.self_attn = MLAAttention(config, layer_id, rotary, backend)
+        self.tp = tp
+        self.self_attn = MLAAttention(config, layer_id, rotary, backend, tp=tp)
         self.mlp: nn.Module = (
-            MoE(config, backend) if config.is_moe_layer(layer_id)
-            else SwiGLU(config.hidden_size, config.intermediate_size, backend.weights)
+            MoE(config, backend, tp) if config.is_moe_layer(layer_id)
+            else SwiGLU(config.hidden_size, config.intermediate_size, backend.weights, tp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -102,17 +109,22 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         attention: MLAAttentionBackend,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.tp.all_reduce(self.self_attn(self.input_layernorm(hidden), cos, sin, batch, attention))
+        return hidden + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: TextConfig, backend: Backend) -> None:
+    """Under tensor parallelism the embedding is whole on every rank (the draft reads it too)."""
+
+    def __init__(self, config: TextConfig, backend: Backend, tp: TensorParallel) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_interleave, backend.layers)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, backend) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, backend, tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.layers)
         self.backend = backend
         # All layers in one call for the batches it takes, where the backend has a decoder stack.
@@ -120,6 +132,8 @@ class DeepseekV3Model(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """After the layers prepared their weights (the loader goes children first)."""
+        if self.tp.enabled:
+            return  # a decoder stack runs every layer in one call, with no all-reduce between them
         layers = [layer.stack_layer() for layer in self.layers]
         if all(layers):
             scale = self.layers[0].self_attn.scaling
@@ -150,15 +164,19 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: TextConfig, backend: Backend) -> None:
+    def __init__(self, config: TextConfig, backend: Backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        self.model = DeepseekV3Model(config, backend)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.weights)
+        self.tp = tp
+        self.model = DeepseekV3Model(config, backend, tp)
+        self.lm_head = VocabParallelLinear(config.hidden_size, config.vocab_size, backend.weights, tp)
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig, backend: Backend) -> DeepseekV3ForCausalLM:
-        return cls(config.text, backend)
+    def from_model_config(
+        cls, config: ModelConfig, backend: Backend, tp: TensorParallel | None = None
+    ) -> DeepseekV3ForCausalLM:
+        return cls(config.text, backend, tp)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -169,6 +187,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
 
     def process_weights_after_loading(self) -> None:
+        if self.tp.enabled and self.config.tie_word_embeddings:
+            # Tied: the loader pointed lm_head at the whole embedding; this rank multiplies its rows.
+            rows = self.lm_head.weight.data[self.lm_head.vocab_start : self.lm_head.vocab_start + self.lm_head.out_features]
+            self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
+            self.lm_head.process_weights_after_loading()
         # The vocabulary projection is the largest matrix read each decode step. A float32 CPU GEMM
         # reads it about twice as fast stored column-major (eaglet.bench.decode_vs_transformers); a
         # bfloat16 one is up to 2.7x slower that way, so bfloat16 keeps the row-major layout. Same

@@ -15,6 +15,7 @@ from torch import nn
 
 from eaglet.backends.base import Backend
 from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
+from eaglet.distributed.tensor_parallel import TensorParallel
 from eaglet.errors import ConfigError
 from eaglet.models.config import ModelConfig, parse_text_config
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
@@ -48,23 +49,32 @@ def parse_kimi_k25_config(raw: dict) -> ModelConfig:
 
 
 class KimiK25ForConditionalGeneration(nn.Module):
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    """Under tensor parallelism the vision tower and projector live on rank 0 only, which merges
+    image features into the embeddings it hands the other ranks."""
+
+    def __init__(self, config: ModelConfig, backend: Backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        self.vision_tower = KimiVisionTower(config.vision)
-        self.mm_projector = KimiProjector(config.vision)
-        self.language_model = DeepseekV3ForCausalLM(config.text, backend)
+        self.encodes_images = tp.rank == 0
+        if self.encodes_images:
+            self.vision_tower = KimiVisionTower(config.vision)
+            self.mm_projector = KimiProjector(config.vision)
+        self.language_model = DeepseekV3ForCausalLM(config.text, backend, tp)
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig, backend: Backend) -> KimiK25ForConditionalGeneration:
-        return cls(config, backend)
+    def from_model_config(
+        cls, config: ModelConfig, backend: Backend, tp: TensorParallel | None = None
+    ) -> KimiK25ForConditionalGeneration:
+        return cls(config, backend, tp)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.language_model.embed_tokens
 
     def ignored_checkpoint_tensors(self) -> tuple[re.Pattern, ...]:
-        return self.language_model.ignored_checkpoint_tensors("language_model.")
+        vision = () if self.encodes_images else (re.compile(r"(vision_tower|mm_projector)\."),)
+        return self.language_model.ignored_checkpoint_tensors("language_model.") + vision
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Features for every placeholder token of the given images, in order: [N, text_hidden]."""

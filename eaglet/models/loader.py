@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from eaglet.distributed.tensor_parallel import TensorShard
 from eaglet.errors import CheckpointError
 from eaglet.models.load_time_quantization import quantize_routed_experts
 from eaglet.models.quantization import QuantScheme
@@ -80,11 +81,14 @@ class _ShardReader:
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor, or only its ``index`` slice (read from the file, not sliced after)."""
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = self.stack.enter_context(_open(path))
-        return self.handles[path].get_tensor(name)
+        if index is None:
+            return self.handles[path].get_tensor(name)
+        return self.handles[path].get_slice(name)[index]
 
 
 @contextlib.contextmanager
@@ -129,6 +133,30 @@ def weight_targets(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor
     return targets
 
 
+def weight_shards(model: nn.Module, prefix: str = "") -> dict[str, TensorShard]:
+    """Checkpoint tensor name -> the slice of it this tensor-parallel rank holds (absent: whole)."""
+    shards: dict[str, TensorShard] = {}
+    for name, module in model.named_modules():
+        dotted = f"{prefix}{name}." if name else prefix
+        shard = getattr(module, "tensor_shard", None)
+        if shard is not None:
+            shards[f"{dotted}weight"] = shard
+            if getattr(module, "bias", None) is not None and shard.dim == 0:
+                shards[f"{dotted}bias"] = TensorShard(0, shard.start, shard.length)
+        if hasattr(module, "checkpoint_shards"):
+            shards.update(module.checkpoint_shards(dotted))
+    return shards
+
+
+def unowned_tensors(model: nn.Module, prefix: str = "") -> set[str]:
+    """Checkpoint tensors that other tensor-parallel ranks hold (expert parallelism's other experts)."""
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if hasattr(module, "unowned_checkpoint_tensors"):
+            names |= module.unowned_checkpoint_tensors(f"{prefix}{name}." if name else prefix)
+    return names
+
+
 def load_weights(
     model: nn.Module,
     model_dir: str | Path,
@@ -145,6 +173,8 @@ def load_weights(
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     targets = weight_targets(model, prefix)
+    tp_slices = weight_shards(model, prefix)
+    unowned = unowned_tensors(model, prefix)
     ignored = IGNORED_TENSORS + tuple(getattr(model, "ignored_checkpoint_tensors", lambda: ())())
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
@@ -156,10 +186,21 @@ def load_weights(
                 dtypes[name] = tensor_slice.get_dtype()
     index_only = sorted(n for n, p in files.items() if n not in shapes)
     shapes, quantized, problems = logical_view(shapes, dtypes, quantization)
+    for name, piece in tp_slices.items():
+        if name in shapes:
+            full = shapes[name]
+            if piece.dim >= len(full) or piece.start + piece.length > full[piece.dim]:
+                problems.append(
+                    f"{name}: shape {list(full)} has no slice [{piece.start}, {piece.start + piece.length}) along dim {piece.dim}"
+                )
+            else:
+                shapes[name] = piece.sharded_shape(full)
     receivers = quantized_receivers(model, prefix)
     unrunnable = sorted(n for n in quantized if n in targets and n not in receivers)
     missing = sorted(n for n in targets if n not in shapes)
-    unexpected = sorted(n for n in shapes if n not in targets and not any(p.match(n) for p in ignored))
+    unexpected = sorted(
+        n for n in shapes if n not in targets and n not in unowned and not any(p.match(n) for p in ignored)
+    )
     misshaped = [
         f"{n}: checkpoint {list(shapes[n])}, model expects {list(targets[n].shape)}"
         for n in sorted(targets)
@@ -193,14 +234,15 @@ def load_weights(
         for name in sorted(n for n in quantized if n in targets):
             by_codes_shard.setdefault(files[quantized[name].parts["codes"]], []).append(name)
         for names in by_codes_shard.values():
-            with _ShardReader(files) as shards:
+            with _ShardReader(files) as reader:
                 for name in names:
-                    receivers[name](quantized_matrix(quantized[name], shards.read, quantization))
+                    receivers[name](quantized_matrix(quantized[name], reader.read, quantization, tp_slices.get(name)))
                     progress.update(1)
         for shard, names in sorted(by_shard.items()):
             with _open(shard) as f:
                 for name in names:
-                    tensor = f.get_tensor(name)
+                    piece = tp_slices.get(name)
+                    tensor = f.get_tensor(name) if piece is None else f.get_slice(name)[piece.index(targets[name].dim())]
                     if not (tensor.is_floating_point() or tensor.dtype == targets[name].dtype):
                         raise CheckpointError(f"{shard.name}: tensor {name} has dtype {tensor.dtype}, expected floating point")
                     targets[name].copy_(tensor)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from eaglet.backends.quantized_matrix import INT4_PER_INT32, QuantizedMatrix
+from eaglet.distributed.tensor_parallel import TensorShard
 from eaglet.errors import CheckpointError
 from eaglet.layers.quantized_weight import QuantizableWeight
 from eaglet.models.quantization import QuantScheme
@@ -103,23 +104,57 @@ def _fp8(name: str, shapes: dict, dtypes: dict, scheme: QuantScheme | None, out:
     out[name] = StoredQuantized(name, "fp8", (rows, cols), {"codes": name, "scales": scale})
 
 
-def quantized_matrix(stored: StoredQuantized, read: Callable[[str], torch.Tensor], scheme: QuantScheme) -> QuantizedMatrix:
-    """The matrix from its file tensors (``read``: name -> tensor)."""
+def quantized_matrix(
+    stored: StoredQuantized, read: Callable[[str, tuple[slice, ...] | None], torch.Tensor], scheme: QuantScheme,
+    shard: TensorShard | None = None,
+) -> QuantizedMatrix:
+    """The matrix (or this rank's ``shard`` of it) from its file tensors (``read``: name, slicing ->
+    tensor; only the slices a shard needs are read)."""
     rows, cols = stored.shape
+    local_rows, local_cols = shard.sharded_shape((rows, cols)) if shard is not None else (rows, cols)
     if stored.format == "int4":
-        codes, scales = read(stored.parts["codes"]), read(stored.parts["scales"])
-        declared = read(stored.parts["shape"]).tolist()
+        group = scheme.group_size
+        codes_index = scales_index = None
+        if shard is not None and shard.dim == 0:
+            codes_index = scales_index = shard.index(2)
+        elif shard is not None:
+            if shard.start % group or shard.length % group:
+                raise CheckpointError(
+                    f"{stored.name}: tensor parallelism splits its {cols} columns at {shard.start}, off its "
+                    f"int4 groups of {group}: choose a tp_size that divides the groups evenly"
+                )
+            codes_index = (slice(None), slice(shard.start // INT4_PER_INT32, (shard.start + shard.length) // INT4_PER_INT32))
+            scales_index = (slice(None), slice(shard.start // group, (shard.start + shard.length) // group))
+        codes, scales = read(stored.parts["codes"], codes_index), read(stored.parts["scales"], scales_index)
+        declared = read(stored.parts["shape"], None).tolist()
         if declared != [rows, cols]:
             raise CheckpointError(f"{stored.parts['shape']}: {declared}, but the packed weight holds {[rows, cols]}")
         if codes.dtype != torch.int32:
             raise CheckpointError(f"{stored.parts['codes']}: dtype {codes.dtype}, expected torch.int32")
         if scales.dtype not in (torch.bfloat16, torch.float32):
             scales = scales.float()  # float16 scales are exact in float32
-        return QuantizedMatrix("int4", codes.contiguous(), scales.contiguous(), scheme.group_size, cols)
-    codes, block_scales = read(stored.parts["codes"]), read(stored.parts["scales"]).float()
+        return QuantizedMatrix("int4", codes.contiguous(), scales.contiguous(), group, local_cols)
+    block_rows, block_cols = scheme.block_rows, scheme.group_size
+    first_row, codes_index, scales_index = 0, None, None
+    if shard is not None and shard.dim == 0:
+        first_block = shard.start // block_rows
+        first_row = shard.start - first_block * block_rows
+        codes_index = shard.index(2)
+        scales_index = (slice(first_block, -(-(shard.start + shard.length) // block_rows)), slice(None))
+    elif shard is not None:
+        end = shard.start + shard.length
+        if shard.start % block_cols or (end % block_cols and end != cols):
+            raise CheckpointError(
+                f"{stored.name}: tensor parallelism splits its {cols} columns at {shard.start}, off its FP8 "
+                f"blocks of {block_cols}: choose a tp_size that divides the blocks evenly"
+            )
+        codes_index = shard.index(2)
+        scales_index = (slice(None), slice(shard.start // block_cols, -(-end // block_cols)))
+    codes = read(stored.parts["codes"], codes_index)
+    block_scales = read(stored.parts["scales"], scales_index).float()
     # One scale per row per 128 columns (see quantized_matrix): rows of a block share its scale.
-    scales = block_scales.repeat_interleave(scheme.block_rows, dim=0)[:rows].contiguous()
-    return QuantizedMatrix("fp8", codes.contiguous(), scales, scheme.group_size, cols)
+    scales = block_scales.repeat_interleave(block_rows, dim=0)[first_row : first_row + local_rows].contiguous()
+    return QuantizedMatrix("fp8", codes.contiguous(), scales, block_cols, local_cols)
 
 
 def quantized_receivers(model: nn.Module, prefix: str = "") -> dict[str, Callable[[QuantizedMatrix], None]]:

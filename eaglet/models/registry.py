@@ -17,6 +17,7 @@ from torch import nn
 from eaglet.backends.base import Backend
 from eaglet.backends.cpu_caps import auto_dtype
 from eaglet.errors import ConfigError
+from eaglet.distributed.tensor_parallel import TensorParallel
 from eaglet.models.config import ModelConfig, read_config_json
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, parse_deepseek_v3_config
 from eaglet.models.kimi_k25 import KimiK25ForConditionalGeneration, parse_kimi_k25_config
@@ -25,7 +26,7 @@ from eaglet.models.loader import load_weights, skip_init
 
 @dataclass(frozen=True)
 class ModelEntry:
-    model_class: type[nn.Module]  # with a from_model_config(ModelConfig, Backend) constructor
+    model_class: type[nn.Module]  # with a from_model_config(ModelConfig, Backend, TensorParallel) constructor
     parse_config: Callable[[dict], ModelConfig]
     load_weights: Callable[..., None] = load_weights
 
@@ -69,9 +70,10 @@ def resolve_dtype(dtype: str | torch.dtype, tile_gemm: bool = False) -> torch.dt
     return SUPPORTED_DTYPES[dtype]
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, backend: Backend) -> nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, backend: Backend, tp: TensorParallel | None = None) -> nn.Module:
+    """The model's modules (this tensor-parallel rank's share of them), weights uninitialised."""
     with skip_init(dtype):
-        model = MODELS[config.architecture].model_class.from_model_config(config, backend)
+        model = MODELS[config.architecture].model_class.from_model_config(config, backend, tp)
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval()
@@ -79,13 +81,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, backend: Backend) -> nn
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", *, backend: Backend, show_progress: bool = True,
-    quantize: str | None = None,
+    quantize: str | None = None, tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """The model of a checkpoint directory, loaded; ``quantize`` ("int4"): its plain routed experts
-    quantized at load time."""
+    quantized at load time; ``tp``: only this tensor-parallel rank's slices are read."""
     raw = read_config_json(model_dir)
     entry = entry_for(raw)
     config = entry.parse_config(raw)
-    model = build_model(config, resolve_dtype(dtype), backend)
+    model = build_model(config, resolve_dtype(dtype), backend, tp)
     entry.load_weights(model, model_dir, show_progress=show_progress, quantization=config.quantization, quantize=quantize)
     return model, config

@@ -326,7 +326,7 @@ class EagleWorker:
             greedy_ids_only=round_rows.greedy_only,
         )
         with self._verify_clock:
-            output = self.runner.model(batch, self.runner.attention)
+            output = self.runner.forward(batch)
         if output.greedy_ids is not None:
             return (verify_greedy_ids(tree.tokens, tree.parents, output.greedy_ids.view(batch_size, n), self.backend.spec), None,
                     output.aux_hidden_states)
@@ -383,7 +383,7 @@ class EagleWorker:
         starts = itertools.accumulate(path_lens, initial=0)
         new_tokens = [ids_list[start : start + n] for start, n in zip(starts, path_lens)]
         if not is_chain:  # the target's entries of accepted nodes move to row indices n+1 .. n+a
-            self.cache.copy_slots(self.cache.target, src_slots, dst_slots)
+            self.runner.copy_target_slots(src_slots, dst_slots)
         self.cache.truncate_rows(
             round_rows.rows, [p + n for p, n in zip(round_rows.prefix, path_lens)], reserve=self.spec.scratch_len
         )

@@ -1,0 +1,116 @@
+"""Rank 0 drives the other tensor-parallel ranks: every forward of the target model and every move of
+its cache entries is sent to them first, then run on rank 0 too, so all ranks run the same
+collectives in the same order.
+
+Only rank 0 schedules, samples, drafts and keeps the prefix cache; the others hold their share of
+the target's layers and their own copy of the latent cache, written at the slots rank 0 chose (the
+batch carries them and the rows of the request-to-slot table it reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+from torch import nn
+
+from eaglet.distributed.communicator import Communicator
+from eaglet.errors import DistributedError
+from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.runtime.kv_cache import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+# Captured layers are rank 0's (the draft's inputs); the memo is rebuilt where the batch is read.
+_LOCAL_FIELDS = ("_memo", "capture_layers")
+BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(ForwardBatch) if f.name not in _LOCAL_FIELDS)
+
+
+def batch_message(batch: ForwardBatch, cache: KVCacheManager) -> dict[str, Any]:
+    """What another rank needs to run ``batch``: its fields and the table rows its requests read."""
+    message = {name: getattr(batch, name) for name in BATCH_FIELDS}
+    max_len = max(batch.seq_lens_cpu, default=0)
+    message["table_rows"] = cache.req_to_token[batch.req_pool_indices, :max_len]
+    return message
+
+
+def followed_batch(message: dict[str, Any], cache: KVCacheManager) -> ForwardBatch:
+    """The batch of ``batch_message``, its table rows written into this rank's table."""
+    table_rows = message.pop("table_rows")
+    batch = ForwardBatch(**message)
+    cache.req_to_token[batch.req_pool_indices, : table_rows.shape[1]] = table_rows
+    return batch
+
+
+class Followers:
+    """Rank 0's handle on the other ranks: ``forward`` / ``copy_slots`` before doing the same locally."""
+
+    def __init__(self, comm: Communicator, processes: list[BaseProcess]) -> None:
+        self.comm = comm
+        self.processes = processes  # the other ranks this machine started
+        self.failed: DistributedError | None = None
+
+    def _send(self, message: tuple) -> None:
+        self.check()
+        try:
+            self.comm.send(message)
+        except DistributedError as exc:
+            self.failed = exc
+            raise
+
+    def forward(self, batch: ForwardBatch, cache: KVCacheManager) -> None:
+        self._send(("forward", batch_message(batch, cache)))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._send(("copy_slots", src, dst))
+
+    def setup_cache(self, geometry: dict[str, Any]) -> None:
+        self._send(("cache", geometry))
+
+    def check(self) -> None:
+        """Raises DistributedError once a rank failed or one of this machine's other ranks exited."""
+        if self.failed is not None:
+            raise self.failed
+        for process in self.processes:
+            if not process.is_alive():
+                self.failed = DistributedError(
+                    f"tensor-parallel rank process {process.name} (pid {process.pid}) exited with code {process.exitcode}"
+                )
+                raise self.failed
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.failed is None:
+            try:
+                self.comm.send(("stop",))
+            except DistributedError:
+                pass
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout_s)
+        self.comm.close()
+
+
+def follow(comm: Communicator, model: nn.Module, make_cache: Any) -> None:
+    """A rank > 0's loop: runs rank 0's forwards on its share of the model until told to stop.
+    ``make_cache(geometry)`` -> (cache, attention backend), called on rank 0's first message."""
+    cache: KVCacheManager | None = None
+    attention = None
+    with torch.inference_mode():
+        while True:
+            message = comm.recv()
+            kind = message[0]
+            if kind == "forward":
+                model(followed_batch(message[1], cache), attention)
+            elif kind == "copy_slots":
+                cache.copy_slots(cache.target, message[1], message[2])
+            elif kind == "cache":
+                cache, attention = make_cache(message[1])
+            elif kind == "stop":
+                return
+            else:
+                raise DistributedError(f"unknown message from rank 0: {kind!r}")
