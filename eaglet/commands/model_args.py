@@ -41,6 +41,21 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_log_level: str 
     spec.add_argument("--disable-speculative-adaptive", action="store_true",
                       help="always draft the configured shape (by default each decode step may draft less deeply, "
                            "or not at all, where measured costs say that is faster)")
+    parallel = parser.add_argument_group("parallelism (one process per rank; see docs/tensor_parallel.md)")
+    parallel.add_argument("--tp-size", "--tp", type=positive_int, default=1,
+                          help="tensor-parallel ranks: attention heads, MLPs and the lm_head split across them")
+    parallel.add_argument("--ep-size", "--ep", type=positive_int, default=1,
+                          help="1: each routed expert split across the ranks; equal to --tp-size: whole experts "
+                               "divided among them")
+    parallel.add_argument("--nnodes", type=positive_int, default=1, help="machines the ranks run on")
+    parallel.add_argument("--node-rank", type=int, default=0,
+                          help="this machine's index; node 0 serves, the others run their ranks only")
+    parallel.add_argument("--dist-init-addr", help="host:port of node 0's rendezvous (needed with --nnodes > 1)")
+    parallel.add_argument("--cpu-omp-threads-bind",
+                          help="this machine's ranks' cores, e.g. '0-31|32-63' (default: NUMA nodes, else the "
+                               "cores divided evenly); EAGLET_CPU_OMP_THREADS_BIND sets it too")
+    parallel.add_argument("--dist-timeout", type=positive_float, default=60.0,
+                          help="seconds a rank may lag a collective before the group is declared broken")
     parser.add_argument("--log-level", default=default_log_level, choices=LOG_LEVELS)
 
 
@@ -114,6 +129,13 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         speculative_eagle_topk=args.speculative_eagle_topk,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         speculative_adaptive=not args.disable_speculative_adaptive,
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        cpu_omp_threads_bind=args.cpu_omp_threads_bind,
+        dist_timeout_s=args.dist_timeout,
     )
 
 
@@ -127,6 +149,24 @@ def build_engine(args: argparse.Namespace, show_progress: bool = True):  # -> ea
         return Engine(EngineConfig(show_progress=show_progress, **kwargs))
     except (EagletError, ValueError) as exc:
         raise SystemExit(f"eaglet: cannot load the model: {exc}") from exc
+
+
+def run_ranks_of_node(args: argparse.Namespace) -> int:
+    """``--node-rank`` > 0: this machine's tensor-parallel ranks, until node 0 stops them."""
+    from eaglet.backends import select_backend
+    from eaglet.engine.engine import EngineConfig
+    from eaglet.errors import EagletError
+    from eaglet.executor.tp_launch import RankLoad, run_node
+    from eaglet.models.registry import resolve_dtype
+
+    config = EngineConfig(show_progress=False, **engine_config_kwargs(args))
+    try:
+        dtype = resolve_dtype(config.dtype, select_backend(config.cpu_kernels).tile_gemm)
+        load = RankLoad(config.model, str(dtype).removeprefix("torch."), config.cpu_kernels, config.quantization)
+        logging.getLogger("eaglet").info("node %d: running ranks %s", config.node_rank, list(config.parallel.local_ranks))
+        return run_node(config.parallel, load)
+    except EagletError as exc:
+        raise SystemExit(f"eaglet: {exc}") from exc
 
 
 def configure_logging(level: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from eaglet.commands.model_args import (
     configure_logging,
     positive_float,
     positive_int,
+    run_ranks_of_node,
 )
 
 API_KEY_ENV = "EAGLET_API_KEY"
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from eaglet.commands.model_args import build_engine, engine_config_kwargs
     from eaglet.engine.heap import freeze_startup_heap
 
+    if args.node_rank > 0:
+        return run_ranks_of_node(args)
     config = server_config(args, Path(engine_config_kwargs(args)["model"]).name)  # flag errors before loading
     engine = build_engine(args)
 
@@ -95,14 +99,25 @@ def run(args: argparse.Namespace) -> int:
 
     from eaglet.server import build_app
 
-    app, async_engine = build_app(engine, config, args.log_interval_steps)
+    log = logging.getLogger("eaglet.server")
+    fatal: list[Exception] = []
+
+    def stop_serving(exc: Exception) -> None:
+        # The engine cannot go on (a tensor-parallel rank died or hung): the server ends, as SGLang's does.
+        fatal.append(exc)
+        log.error("the engine stopped: %s; shutting the server down", exc)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app, async_engine = build_app(engine, config, args.log_interval_steps, on_fatal=stop_serving)
     freeze_startup_heap()
-    logging.getLogger("eaglet.server").info(
-        "serving %s on http://%s:%d (speculation: %s)", config.model_name, args.host, args.port,
-        engine.config.speculative_algorithm or "off",
+    log.info(
+        "serving %s on http://%s:%d (speculation: %s, tp_size %d)", config.model_name, args.host, args.port,
+        engine.config.speculative_algorithm or "off", engine.config.tp_size,
     )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.shutdown()
+    if fatal:
+        raise SystemExit(f"eaglet: the engine stopped: {fatal[0]}")
     return 0

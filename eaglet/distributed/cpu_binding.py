@@ -118,6 +118,13 @@ def apply_binding(binding: CpuBinding) -> None:
             raise OSError(ctypes.get_errno(), f"set_mempolicy(MPOL_BIND, node {binding.numa_node}) failed")
 
 
+def reset_memory_policy() -> None:
+    """Back to the default policy (memory on the node of the core that first touches it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_SET_MEMPOLICY, 0, None, ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), "set_mempolicy(MPOL_DEFAULT) failed")
+
+
 def memory_policy() -> tuple[int, int]:
     """This process's (mode, node mask) as the kernel reports it (0, 0: the default policy)."""
     mode, mask = ctypes.c_int(0), ctypes.c_ulong(0)

@@ -5,6 +5,10 @@ while there is work; callers on an asyncio loop add requests and receive each re
 through its own queue. Leaving a stream early (client gone, task cancelled) aborts the request in
 the engine thread, which frees its cache at once. ``busy_seconds`` tells how long the thread has
 been on its current command or step, so a health check can see a stuck engine.
+
+A failure no request can outlive (a tensor-parallel rank that died or hung, ``DistributedError``)
+fails every stream, stops the thread (``alive`` turns false, ``fatal`` says why) and calls
+``on_fatal``; while idle the thread looks at the ranks' health every ``HEALTH_POLL_S``.
 """
 
 from __future__ import annotations
@@ -18,15 +22,25 @@ from typing import Any
 
 from eaglet.engine.engine import Engine
 from eaglet.executor.request import RequestOutput
-from eaglet.errors import RequestFailedError
+from eaglet.errors import DistributedError, RequestFailedError
 from eaglet.sampling_params import SamplingParams
+
+HEALTH_POLL_S = 0.5
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
-        """``on_step(engine, outputs)`` runs in the engine thread after every step (stats logging)."""
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+        on_fatal: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """``on_step(engine, outputs)`` runs in the engine thread after every step (stats logging);
+        ``on_fatal(exc)`` once, in the engine thread, when the engine cannot go on."""
         self.engine = engine
         self._on_step = on_step
+        self._on_fatal = on_fatal
+        self.fatal: Exception | None = None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -42,6 +56,8 @@ class AsyncEngine:
         Invalid requests raise here (InvalidRequestError), before anything is queued; a request
         whose engine step failed raises RequestFailedError (the engine goes on serving others).
         """
+        if self.fatal is not None:
+            raise RequestFailedError(f"the engine has stopped: {self.fatal}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added: asyncio.Future = loop.create_future()
@@ -84,27 +100,35 @@ class AsyncEngine:
         self._stopped.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- engine thread ------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopped.is_set():
             block = not self.engine.has_unfinished()
             try:
+                self.engine.check_health()
                 while True:
                     if block:
                         self._busy_since = None
-                    command = self._commands.get(block=block)
+                    command = self._commands.get(block=block, timeout=HEALTH_POLL_S if block else None)
                     self._busy_since = time.monotonic()
                     self._handle(*command)
                     block = False
             except queue.Empty:
                 pass
+            except DistributedError as exc:
+                self._die(exc)
+                break
             if self._stopped.is_set():
                 break
             if self.engine.has_unfinished():
                 self._busy_since = time.monotonic()
                 try:
                     outputs = self.engine.step()
+                except DistributedError as exc:
+                    self._die(exc)
+                    break
                 except Exception as exc:  # a failed step must not take every stream down silently
                     self._fail_all(exc)
                     continue
@@ -134,6 +158,23 @@ class AsyncEngine:
                 future.set_result(fn(self.engine, *args))
             except Exception as exc:
                 future.set_exception(exc)
+
+    def _die(self, exc: DistributedError) -> None:
+        self.fatal = exc
+        self._stopped.set()
+        self._fail_all(RequestFailedError(f"the engine has stopped: {exc}"))
+        while True:  # requests queued meanwhile: refused, not left waiting
+            try:
+                command, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command == "add":
+                loop, added = payload[3], payload[5]
+                loop.call_soon_threadsafe(_set_exception, added, RequestFailedError(f"the engine has stopped: {exc}"))
+            elif command == "call":
+                payload[2].set_exception(RequestFailedError(f"the engine has stopped: {exc}"))
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)

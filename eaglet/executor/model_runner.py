@@ -37,7 +37,8 @@ class ModelRunner:
         self.followers.forward(batch, self.cache)
         try:
             return self.model(batch, self.attention)
-        except DistributedError:
+        except DistributedError as exc:
+            self.followers.failed = exc
             raise
         except Exception as exc:  # the other ranks wait in this forward's collectives: out of step for good
             self.followers.failed = DistributedError(f"rank 0's forward raised {type(exc).__name__}: {exc}")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from eaglet.backends import select_backend
 from eaglet.distributed.communicator import Communicator, GlooCommunicator
-from eaglet.distributed.cpu_binding import CpuBinding, apply_binding, plan_bindings
+from eaglet.distributed.cpu_binding import CpuBinding, apply_binding, plan_bindings, reset_memory_policy
 from eaglet.distributed.parallel_config import ParallelConfig
 from eaglet.distributed.shm_communicator import ShmCommunicator, create_segment
 from eaglet.distributed.tensor_parallel import TensorParallel
@@ -146,7 +146,10 @@ class RankGroup:
         try:
             self.joined = join_group(RankSpec(parallel, 0, init_method, shm_path, bindings[0], load))
         except Exception:
-            self._stop_processes()
+            for process in self.processes:
+                process.terminate()
+                process.join(10)
+            self._leave()
             raise
         finally:
             if shm_path is not None:
@@ -157,17 +160,17 @@ class RankGroup:
     def agree_loaded(self, error: str | None) -> None:
         agree_loaded(self.joined, error)
 
-    def _stop_processes(self) -> None:
-        for process in self.processes:
-            process.terminate()
-            process.join(10)
-
     def close(self) -> None:
         self.followers.stop()
+        self._leave()
+
+    def _leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The engine's process goes back to what it had (a test run or an embedding application).
         os.sched_setaffinity(0, self.saved_affinity)
         torch.set_num_threads(self.saved_threads)
+        reset_memory_policy()
 
 
 def start_ranks(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI
 
 from eaglet.engine.async_engine import AsyncEngine
@@ -15,15 +17,19 @@ __all__ = ["ImageLimits", "ServerConfig", "StepTally", "create_app", "start_engi
 
 
 def start_engine(
-    engine: Engine, tally: StepTally, log_interval_steps: int = 50, log_min_interval_s: float = 5.0
+    engine: Engine, tally: StepTally, log_interval_steps: int = 50, log_min_interval_s: float = 5.0,
+    on_fatal: Callable[[Exception], None] | None = None,
 ) -> AsyncEngine:
     """The engine's stepping thread, counting generated tokens into ``tally`` and logging a stats
-    line every ``log_interval_steps`` steps (and at most every ``log_min_interval_s`` seconds)."""
+    line every ``log_interval_steps`` steps (and at most every ``log_min_interval_s`` seconds);
+    ``on_fatal`` when the engine cannot go on (a tensor-parallel rank died)."""
     stats = StatsLogger(tally, log_interval_steps, log_min_interval_s)
-    return AsyncEngine(engine, on_step=stats.on_step)
+    return AsyncEngine(engine, on_step=stats.on_step, on_fatal=on_fatal)
 
 
-def build_app(engine: Engine, config: ServerConfig, log_interval_steps: int = 50) -> tuple[FastAPI, AsyncEngine]:
+def build_app(
+    engine: Engine, config: ServerConfig, log_interval_steps: int = 50, on_fatal: Callable[[Exception], None] | None = None
+) -> tuple[FastAPI, AsyncEngine]:
     tally = StepTally()
-    async_engine = start_engine(engine, tally, log_interval_steps)
+    async_engine = start_engine(engine, tally, log_interval_steps, on_fatal=on_fatal)
     return create_app(async_engine, config, tally), async_engine

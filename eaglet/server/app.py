@@ -262,7 +262,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.alive:
-            return error_response(503, "the engine thread has stopped")
+            reason = f": {async_engine.fatal}" if async_engine.fatal is not None else ""
+            return error_response(503, f"the engine thread has stopped{reason}")
         busy = async_engine.busy_seconds()
         if busy > config.health_stall_timeout_s:
             return error_response(
