@@ -53,11 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON record here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG: tokens/s and acceptance per position")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="N >= 2: compare TP=1, TP=N and TP=N with expert parallelism on the same checkpoint "
+                             "(plain decoding at --batch-sizes; --checkpoints deepseek by default)")
     parser.add_argument("--history", action="store_true",
                         help="print the headline ratios of every run kept in --results-dir, oldest first, and exit")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp_size > 1:
+        from eaglet.bench.tensor_parallel import main as tensor_parallel_main
+
+        return tensor_parallel_main(args)
     from eaglet.bench.suite import main
 
     return main(args)

@@ -145,11 +145,17 @@ class RankGroup:
         self.processes = start_ranks(parallel, init_method, shm_path, bindings, load, skip_first=True)
         try:
             self.joined = join_group(RankSpec(parallel, 0, init_method, shm_path, bindings[0], load))
-        except Exception:
+        except Exception as exc:
+            exited = [p for p in self.processes if not p.is_alive()]
             for process in self.processes:
                 process.terminate()
                 process.join(10)
             self._leave()
+            if exited:
+                raise DistributedError(
+                    f"rank process {exited[0].name} exited (code {exited[0].exitcode}) before joining the group; a "
+                    "script that starts tensor parallelism must run it under `if __name__ == '__main__':`"
+                ) from exc
             raise
         finally:
             if shm_path is not None:

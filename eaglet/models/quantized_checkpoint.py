@@ -120,8 +120,9 @@ def quantized_matrix(
         elif shard is not None:
             if shard.start % group or shard.length % group:
                 raise CheckpointError(
-                    f"{stored.name}: tensor parallelism splits its {cols} columns at {shard.start}, off its "
-                    f"int4 groups of {group}: choose a tp_size that divides the groups evenly"
+                    f"{stored.name}: tensor parallelism gives a rank its columns [{shard.start}, "
+                    f"{shard.start + shard.length}) of {cols}, not whole int4 groups of {group}: choose a tp_size "
+                    f"that splits the groups evenly"
                 )
             codes_index = (slice(None), slice(shard.start // INT4_PER_INT32, (shard.start + shard.length) // INT4_PER_INT32))
             scales_index = (slice(None), slice(shard.start // group, (shard.start + shard.length) // group))
@@ -145,8 +146,8 @@ def quantized_matrix(
         end = shard.start + shard.length
         if shard.start % block_cols or (end % block_cols and end != cols):
             raise CheckpointError(
-                f"{stored.name}: tensor parallelism splits its {cols} columns at {shard.start}, off its FP8 "
-                f"blocks of {block_cols}: choose a tp_size that divides the blocks evenly"
+                f"{stored.name}: tensor parallelism gives a rank its columns [{shard.start}, {end}) of {cols}, "
+                f"not whole FP8 blocks of {block_cols}: choose a tp_size that splits the blocks evenly"
             )
         codes_index = shard.index(2)
         scales_index = (slice(None), slice(shard.start // block_cols, -(-end // block_cols)))
