@@ -29,7 +29,9 @@ from eaglet.grammar.matcher import mask_logits
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.deepseek_v3 import ForwardOutput
+from eaglet.layers.linear import Linear
 from eaglet.models.eagle3 import load_eagle3_draft
+from eaglet.models.loader import read_checkpoint_tensor
 from eaglet.models.registry import load_model, resolve_dtype
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
 from eaglet.sampling_params import SamplingParams
@@ -167,12 +169,7 @@ class Engine:
             draft, draft_config = load_eagle3_draft(
                 self.spec_config.draft_model_path, self.model_config, dtype, self.backend, show_progress=config.show_progress
             )
-            if self.tp_group is not None and not draft.own_lm_head:
-                raise ConfigError(
-                    "the draft has no lm_head of its own; under tensor parallelism the target's is split by "
-                    "vocabulary across the ranks and the draft (on rank 0) cannot share it"
-                )
-            draft.share_target_weights(self.model.embed_tokens, _lm_head(self.model))
+            draft.share_target_weights(self.model.embed_tokens, self._lm_head_for_draft(draft, model_dir, dtype))
             self.spec_worker = EagleWorker(
                 self.runner, draft, draft_config, self.spec_config, self.cache, self.backend, frozenset(self.eos_token_ids)
             )
@@ -187,6 +184,23 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _lm_head_for_draft(self, draft: torch.nn.Module, model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+        """The target's lm_head for a draft without its own. Under tensor parallelism the target's is
+        split by vocabulary across the ranks and the draft runs on rank 0 alone, so rank 0 reads a
+        whole copy from the checkpoint (vocab x hidden more memory on rank 0 only)."""
+        head = _lm_head(self.model)
+        if self.tp_group is None or draft.own_lm_head:
+            return head
+        if self.model_config.text.tie_word_embeddings:
+            weight = self.model.embed_tokens.weight.detach()
+        else:
+            name = next(n for n, p in self.model.named_parameters() if p is head.weight)
+            weight = read_checkpoint_tensor(model_dir, name).to(dtype)
+        whole = Linear(weight.shape[1], weight.shape[0], False, self.backend.weights)
+        whole.weight = torch.nn.Parameter(weight, requires_grad=False)
+        whole.process_weights_after_loading()
+        return whole
 
     # ---- the tensor-parallel group ----------------------------------------------------------
     def check_health(self) -> None:

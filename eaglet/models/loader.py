@@ -57,6 +57,15 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def read_checkpoint_tensor(model_dir: str | Path, name: str) -> torch.Tensor:
+    """One tensor of a checkpoint, whole."""
+    files = checkpoint_files(Path(model_dir))
+    if name not in files:
+        raise CheckpointError(f"{model_dir}: no tensor {name}")
+    with _open(files[name]) as f:
+        return f.get_tensor(name)
+
+
 @contextlib.contextmanager
 def _open(path: Path) -> Iterator:
     try:
