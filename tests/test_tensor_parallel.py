@@ -136,13 +136,21 @@ def test_int4_groups_split_by_a_rank_boundary_are_refused_and_leave_no_process(t
     assert not dist.is_initialized()
 
 
-def test_draft_sharing_the_split_lm_head_is_refused_and_leaves_no_process(kimi_target, tmp_path):
-    draft = echo_draft(kimi_target, tmp_path / "draft", kind="mla")  # no lm_head: it would share the target's
-    with pytest.raises(ConfigError, match="draft has no lm_head of its own"):
-        LLM(str(kimi_target), dtype="float32", show_progress=False, tp_size=2, speculative_algorithm="EAGLE3",
-            speculative_draft_model_path=str(draft), speculative_adaptive=False)
-    assert multiprocessing.active_children() == []
-    assert not dist.is_initialized()
+def test_draft_sharing_the_target_lm_head_runs_on_a_whole_copy(kimi_target, tmp_path):
+    """A draft without its own lm_head: rank 0 reads the target's whole, so speculation under TP
+    emits what plain decoding does, and what TP=1 speculation does."""
+    draft = echo_draft(kimi_target, tmp_path / "draft", kind="mla")  # no lm_head: it shares the target's
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft), speculative_adaptive=False)
+    requests = text_requests([[5, 6, 7, 8, 9, 10, 11], list(range(30, 52))])
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    single = LLM(str(kimi_target), dtype="float32", show_progress=False, **spec)
+    expected = [o.token_ids for o in single.generate(requests, params)]
+    with tp_llm(kimi_target) as plain:
+        assert [o.token_ids for o in plain.generate(requests, params)] == expected
+    with tp_llm(kimi_target, **spec) as speculative:
+        outputs = speculative.generate(requests, params)
+        assert [o.token_ids for o in outputs] == expected
+        assert sum(o.spec_accepted_tokens for o in outputs) > 0
 
 
 # ------------------------------------------------------------------------------------------------
