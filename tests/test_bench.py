@@ -239,3 +239,17 @@ def test_history_without_runs_says_where_it_looked(tmp_path):
     bench.add_arguments(parser)
     with pytest.raises(SystemExit, match="no bench-\\*.json in"):
         bench.run(parser.parse_args(["--history", "--results-dir", str(tmp_path)]))
+
+
+def test_tensor_parallel_bench_compares_layouts_on_one_checkpoint(tmp_path, capsys):
+    code, record = run_bench(tmp_path, "--tp-size", "2", "--batch-sizes", "1,4")
+    assert code == 0 and record["benchmark"] == "eaglet-bench-tp"
+    (result,) = record["checkpoints"]
+    assert set(result["layouts"]) == {"tp1", "tp2", "tp2-ep"}
+    for label, rows in result["layouts"].items():
+        assert set(rows) == {"1", "4"}  # JSON keys
+        for row in rows.values():
+            assert row["decode_tok_s"] > 0 and row["same_tokens_as_tp1"]  # float32: the same tokens
+            assert (row["collectives_per_step"] > 0) == (label != "tp1")
+            assert 0 <= row["collective_share"] < 1
+    assert "tp2-ep" in capsys.readouterr().out

@@ -125,6 +125,8 @@ def history_table(results_dir: Path) -> str:
         if not isinstance(record, dict):
             lines.append(f"| {run} | unreadable: not a bench record (a JSON {type(record).__name__}) |")
             continue
+        if record.get("benchmark") not in (None, "eaglet-bench"):
+            continue  # another benchmark's record (bench-tp-*: tensor parallelism)
         figures = headline(record)
         cells = [_cell(figures[key], column) for key, column in COLUMNS.items()]
         git = record.get("machine", {}).get("eaglet_git") or "-"
