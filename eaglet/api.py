@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any
 
 from eaglet.engine.engine import Engine, EngineConfig
-from eaglet.executor.request import RequestOutput
 from eaglet.errors import RequestFailedError
+from eaglet.executor.request import RequestOutput
 from eaglet.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -20,6 +20,16 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do in one process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def spec_metrics(self) -> dict | None:
         """Aggregate speculation statistics since start (None without speculation): accept length

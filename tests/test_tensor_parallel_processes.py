@@ -187,3 +187,45 @@ def test_a_hung_rank_fails_the_step_within_the_timeout(checkpoint) -> None:
         os.kill(rank1, signal.SIGKILL)
         llm.engine.close()
     assert rank_processes(os.getpid()) == []
+
+
+def _mismatched_rank(rank: int, path: str, pids: list[int], results) -> None:
+    import torch
+
+    from eaglet.distributed.shm_communicator import ShmCommunicator
+
+    comm = ShmCommunicator(path, rank, 2, pids, 10.0, 2**16, 2**12)
+    x = torch.ones(4, 8)
+    try:
+        comm.all_reduce(x)  # in step
+        comm.all_reduce(x) if rank == 0 else comm.all_gather(x)  # out of step
+        results.put((rank, "no error"))
+    except DistributedError as exc:
+        results.put((rank, str(exc)))
+
+
+def test_ranks_running_different_collectives_say_so() -> None:
+    """Shared memory: ranks that call different collectives (a desync) raise instead of mixing data."""
+    import multiprocessing
+    import uuid
+
+    from eaglet.distributed.shm_communicator import create_segment
+
+    path = f"/dev/shm/eaglet-test-{uuid.uuid4().hex}" if Path("/dev/shm").is_dir() else f"/tmp/eaglet-test-{uuid.uuid4().hex}"
+    create_segment(path, 2, 2**16, 2**12)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    try:
+        # Forked ranks: their pids are known only once started, so each gets the parent's for the other
+        # (alive throughout) and the liveness check has nothing to find.
+        procs = [context.Process(target=_mismatched_rank, args=(r, path, [os.getpid(), os.getpid()], results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        outcomes = dict(results.get(timeout=30) for _ in procs)
+        for p in procs:
+            p.join(10)
+    finally:
+        Path(path).unlink(missing_ok=True)
+    for rank in (0, 1):
+        assert "out of step" in outcomes[rank], outcomes

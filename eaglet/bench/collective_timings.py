@@ -22,9 +22,9 @@ import torch.distributed as dist
 from eaglet.distributed.communicator import GlooCommunicator
 from eaglet.distributed.parallel_config import free_port
 from eaglet.distributed.shm_communicator import ShmCommunicator, create_segment
+from eaglet.executor.tp_launch import SLOT_BYTES
 
-SLOT_BYTES = 4 * 2**20
-MESSAGE_BYTES = 2**20
+MESSAGE_BYTES = 2**20  # no messages here
 
 
 def _rank(rank: int, size: int, init: str, shm_path: str, shapes: list[tuple[int, int]], iters: int, queue) -> None:
@@ -64,14 +64,18 @@ def measure(hidden: int, tokens: list[int], iters: int = 300) -> dict[tuple[str,
     queue = context.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     shapes = [(t, hidden) for t in tokens]
+    procs = []
     try:
-        procs = [context.Process(target=_rank, args=(r, 2, init, shm_path, shapes, iters, queue)) for r in range(2)]
+        procs = [context.Process(target=_rank, args=(r, 2, init, shm_path, shapes, iters, queue), daemon=True)
+                 for r in range(2)]
         for p in procs:
             p.start()
         results = queue.get(timeout=300)
+    finally:
         for p in procs:
             p.join(60)
-    finally:
+            if p.is_alive():
+                p.terminate()
         Path(shm_path).unlink(missing_ok=True)
     return results
 

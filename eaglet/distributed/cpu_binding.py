@@ -1,10 +1,15 @@
 """Which cores (and NUMA node's memory) each tensor-parallel rank of this machine uses.
 
 As SGLang's ``SGLANG_CPU_OMP_THREADS_BIND``: ``"0-31|32-63"`` gives rank 0 cores 0-31 and rank 1
-cores 32-63 (``--cpu-omp-threads-bind`` or ``EAGLET_CPU_OMP_THREADS_BIND``). Without it, ranks go
-to NUMA nodes in turn when the machine has at least as many nodes as local ranks, else the cores
-this process may use are divided among them. A rank whose cores lie in one NUMA node allocates its
-memory there (``set_mempolicy(MPOL_BIND)``), so its weights and cache sit next to its cores.
+cores 32-63 (``--cpu-omp-threads-bind`` or ``EAGLET_CPU_OMP_THREADS_BIND``). Without it, when the
+machine's ranks divide evenly among its NUMA nodes each node's cores go to its share of the ranks,
+else the cores this process may use are divided among them; either way every rank gets the same
+number of cores (a remainder is left idle), so every rank runs its kernels with the same thread
+split and routes each token to the same experts. A rank whose cores lie in one NUMA node allocates
+its memory there (``set_mempolicy(MPOL_BIND)``), so its weights and cache sit next to its cores.
+
+Affinity and memory policy belong to a thread: binding pins every thread of the process (torch's
+worker threads may already exist).
 """
 
 from __future__ import annotations
@@ -85,11 +90,10 @@ def plan_bindings(local_ranks: int, bind: str | None = None) -> list[CpuBinding]
     else:
         usable = {n: [c for c in cores if c in allowed] for n, cores in nodes.items()}
         usable = {n: cores for n, cores in usable.items() if cores}
-        if len(usable) > 1 and local_ranks % len(usable) == 0:
-            groups = []
-            per_node = local_ranks // len(usable)
-            for cores in usable.values():
-                groups.extend(_divide(cores, per_node))
+        per_node = local_ranks // len(usable) if usable else 0
+        if len(usable) > 1 and local_ranks % len(usable) == 0 and min(map(len, usable.values())) >= per_node:
+            size = min(len(cores) for cores in usable.values()) // per_node
+            groups = [cores[i * size : (i + 1) * size] for cores in usable.values() for i in range(per_node)]
         else:
             if local_ranks > len(allowed):
                 raise ConfigError(f"{local_ranks} ranks on this machine but only {len(allowed)} cores to divide among them")
@@ -98,31 +102,33 @@ def plan_bindings(local_ranks: int, bind: str | None = None) -> list[CpuBinding]
 
 
 def _divide(cores: list[int], parts: int) -> list[list[int]]:
-    size, extra = divmod(len(cores), parts)
-    groups, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        groups.append(cores[start:end])
-        start = end
-    return groups
+    size = len(cores) // parts
+    return [cores[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def pin_threads(cores: set[int] | tuple[int, ...]) -> None:
+    """Every thread of this process on ``cores``."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
 
 
 def apply_binding(binding: CpuBinding) -> None:
     """Pins this process to the binding's cores, one torch thread per core, memory on its node."""
-    os.sched_setaffinity(0, binding.cores)
+    pin_threads(binding.cores)
     torch.set_num_threads(len(binding.cores))
     if binding.numa_node is not None:
-        mask = ctypes.c_ulong(1 << binding.numa_node)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(SYS_SET_MEMPOLICY, MPOL_BIND, ctypes.byref(mask), ctypes.c_ulong(64)) != 0:
-            raise OSError(ctypes.get_errno(), f"set_mempolicy(MPOL_BIND, node {binding.numa_node}) failed")
+        set_memory_policy(MPOL_BIND, 1 << binding.numa_node)
 
 
-def reset_memory_policy() -> None:
-    """Back to the default policy (memory on the node of the core that first touches it)."""
+def set_memory_policy(mode: int, node_mask: int) -> None:
+    """The calling thread's NUMA memory policy (mode 0, mask 0: the default, first touch)."""
+    mask = ctypes.c_ulong(node_mask)
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_SET_MEMPOLICY, 0, None, ctypes.c_ulong(0)) != 0:
-        raise OSError(ctypes.get_errno(), "set_mempolicy(MPOL_DEFAULT) failed")
+    if libc.syscall(SYS_SET_MEMPOLICY, mode, ctypes.byref(mask) if node_mask else None, ctypes.c_ulong(64)) != 0:
+        raise OSError(ctypes.get_errno(), f"set_mempolicy({mode}, {node_mask:#x}) failed")
 
 
 def memory_policy() -> tuple[int, int]:

@@ -19,6 +19,7 @@ import mmap
 import os
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ LINE = 8  # int64 flags per 64-byte cache line
 HEADER_BYTES = 4096
 LIVENESS_CHECK_S = 0.05
 IDLE_SPIN_S = 0.002  # a message wait spins this long, then sleeps between looks
+ALL_REDUCE, ALL_GATHER = 1, 2  # collective kinds, published beside the sequence number
 
 
 def segment_bytes(size: int, slot_bytes: int, message_bytes: int) -> int:
@@ -69,7 +71,8 @@ class ShmCommunicator:
         self.message_seq = 0  # message pieces sent / received
         self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
 
-    # ---- flags: reduce[r] at line r, ack[r] at line size + r, the message header at line 2 * size
+    # ---- flags: reduce[r] at line r (sequence, then kind and bytes per parity), ack[r] at line
+    # size + r, the message header at line 2 * size
     def _reduce_flag(self, rank: int) -> int:
         return rank * LINE
 
@@ -116,19 +119,31 @@ class ShmCommunicator:
                             f"tensor-parallel rank {rank} did not reach {what} within {self.timeout_s:g} s"
                         )
 
-    def _others(self, index_of) -> list[tuple[int, int]]:
+    def _others(self, index_of: Callable[[int], int]) -> list[tuple[int, int]]:
         return [(r, index_of(r)) for r in range(self.size) if r != self.rank]
 
     # ---- collectives -------------------------------------------------------------------------
-    def _exchange(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, chunk: torch.Tensor, kind: int) -> list[torch.Tensor]:
         """Publishes ``chunk`` and returns every rank's (views of the shared slots, valid until the
-        collective after next)."""
+        collective after next). Beside its sequence number a rank publishes the collective's kind
+        and size: ranks that disagree are out of step, and say so instead of mixing data."""
         self.seq += 1
         parity = self.seq & 1
+        nbytes = chunk.numel() * chunk.element_size()
         slots = [self._slot(parity, r, chunk.dtype, chunk.numel()) for r in range(self.size)]
         slots[self.rank].copy_(chunk.reshape(-1))
+        # Per parity, like the slots: a rank may publish collective n+1 while this one checks n.
+        described = self._reduce_flag(self.rank) + 1 + 2 * parity
+        self.flags[described], self.flags[described + 1] = kind, nbytes
         self.flags[self._reduce_flag(self.rank)] = self.seq
-        self._wait(self._others(self._reduce_flag), self.seq, "an all-reduce")
+        self._wait(self._others(self._reduce_flag), self.seq, "a collective")
+        for rank in range(self.size):
+            theirs = self._reduce_flag(rank) + 1 + 2 * parity
+            if (self.flags[theirs], self.flags[theirs + 1]) != (kind, nbytes):
+                raise DistributedError(
+                    f"tensor-parallel ranks out of step: rank {rank} ran collective kind {self.flags[theirs]} of "
+                    f"{self.flags[theirs + 1]} bytes where rank {self.rank} ran kind {kind} of {nbytes}"
+                )
         return slots
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +151,7 @@ class ShmCommunicator:
         per_piece = self.slot_bytes // x.element_size()
         for start in range(0, flat.numel(), per_piece):
             piece = flat[start : start + per_piece]
-            slots = self._exchange(piece)
+            slots = self._exchange(piece, ALL_REDUCE)
             piece.copy_(slots[0])
             for other in slots[1:]:
                 piece.add_(other)
@@ -148,10 +163,12 @@ class ShmCommunicator:
         x = x.contiguous()
         rows, cols = x.shape
         out = torch.empty(rows, self.size * cols, dtype=x.dtype)
-        per_piece = max(1, self.slot_bytes // max(1, cols * x.element_size()))
+        per_piece = self.slot_bytes // max(1, cols * x.element_size())
+        if per_piece == 0:
+            raise ValueError(f"an all-gather row of {cols * x.element_size()} bytes exceeds the {self.slot_bytes}-byte slot")
         for start in range(0, rows, per_piece):
             piece = x[start : start + per_piece]
-            slots = self._exchange(piece)
+            slots = self._exchange(piece, ALL_GATHER)
             n = piece.shape[0]
             for r, slot in enumerate(slots):
                 out[start : start + n, r * cols : (r + 1) * cols] = slot.view(n, cols)

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from eaglet.engine.engine import Engine
-from eaglet.executor.request import RequestOutput
 from eaglet.errors import DistributedError, RequestFailedError
+from eaglet.executor.request import RequestOutput
 from eaglet.sampling_params import SamplingParams
 
 HEALTH_POLL_S = 0.5
@@ -41,6 +41,7 @@ class AsyncEngine:
         self._on_step = on_step
         self._on_fatal = on_fatal
         self.fatal: Exception | None = None
+        self._fatal_lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -56,12 +57,13 @@ class AsyncEngine:
         Invalid requests raise here (InvalidRequestError), before anything is queued; a request
         whose engine step failed raises RequestFailedError (the engine goes on serving others).
         """
-        if self.fatal is not None:
-            raise RequestFailedError(f"the engine has stopped: {self.fatal}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added: asyncio.Future = loop.create_future()
-        self._commands.put(("add", (prompt, params, request_id, loop, outputs, added)))
+        with self._fatal_lock:  # _die drains the queue under it: nothing queued after goes unanswered
+            if self.fatal is not None:
+                raise RequestFailedError(f"the engine has stopped: {self.fatal}")
+            self._commands.put(("add", (prompt, params, request_id, loop, outputs, added)))
         request_id = await added
         finished = False
         try:
@@ -100,7 +102,8 @@ class AsyncEngine:
         self._stopped.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
-        self.engine.close()
+        if not self._thread.is_alive():  # else the step in flight still uses the ranks; they end with the process
+            self.engine.close()
 
     # ---- engine thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -160,19 +163,22 @@ class AsyncEngine:
                 future.set_exception(exc)
 
     def _die(self, exc: DistributedError) -> None:
-        self.fatal = exc
-        self._stopped.set()
-        self._fail_all(RequestFailedError(f"the engine has stopped: {exc}"))
-        while True:  # requests queued meanwhile: refused, not left waiting
-            try:
-                command, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command == "add":
-                loop, added = payload[3], payload[5]
-                loop.call_soon_threadsafe(_set_exception, added, RequestFailedError(f"the engine has stopped: {exc}"))
-            elif command == "call":
-                payload[2].set_exception(RequestFailedError(f"the engine has stopped: {exc}"))
+        stopped = RequestFailedError(f"the engine has stopped: {exc}")
+        with self._fatal_lock:
+            self.fatal = exc
+            self._stopped.set()
+            self._fail_all(stopped)
+            while True:  # requests queued meanwhile: refused, not left waiting
+                try:
+                    command, payload = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command == "add":
+                    _prompt, _params, _request_id, loop, _outputs, added = payload
+                    loop.call_soon_threadsafe(_set_exception, added, stopped)
+                elif command == "call":
+                    _fn, _args, future = payload
+                    future.set_exception(stopped)
         if self._on_fatal is not None:
             self._on_fatal(exc)
 

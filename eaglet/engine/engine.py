@@ -14,26 +14,26 @@ from typing import Any
 import torch
 
 from eaglet.backends import select_backend
-from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from eaglet.runtime.kv_cache import KVCacheManager
-from eaglet.executor.model_runner import ModelRunner
-from eaglet.engine.prefix_cache import PrefixCache
-from eaglet.executor.request import Request, RequestOutput, RequestStatus, record_logprobs
-from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.distributed.parallel_config import ParallelConfig
 from eaglet.distributed.tensor_parallel import CollectiveTime
+from eaglet.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
+from eaglet.engine.prefix_cache import PrefixCache
+from eaglet.engine.scheduler import Scheduler, SchedulerConfig, prefill_target
 from eaglet.errors import ConfigError, DistributedError, ImageError, InvalidRequestError
+from eaglet.executor.model_runner import ModelRunner
+from eaglet.executor.request import Request, RequestOutput, RequestStatus, record_logprobs
 from eaglet.executor.tp_launch import RankGroup, RankLoad
 from eaglet.grammar.compiler import GrammarCompiler
 from eaglet.grammar.matcher import mask_logits
+from eaglet.layers.linear import Linear
 from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.deepseek_v3 import ForwardOutput
-from eaglet.layers.linear import Linear
 from eaglet.models.eagle3 import load_eagle3_draft
-from eaglet.models.loader import read_checkpoint_tensor
+from eaglet.models.loader import read_checkpoint_tensor, skip_init
 from eaglet.models.registry import load_model, resolve_dtype
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
+from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.sampling_params import SamplingParams
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.eagle_worker import EagleWorker
@@ -118,10 +118,10 @@ class Engine:
         except Exception as exc:
             if self.tp_group is not None:  # the other ranks stop too; this rank's error is the one to raise
                 with contextlib.suppress(ConfigError):
-                    self.tp_group.agree_loaded(f"{type(exc).__name__}: {exc}")
+                    self.tp_group.agree_loaded(f"{type(exc).__name__}: {exc}", self.backend)
             raise
         if self.tp_group is not None:
-            self.tp_group.agree_loaded(None)
+            self.tp_group.agree_loaded(None, self.backend)
         text = self.model_config.text
         self.context_len = min(config.context_length or text.max_position_embeddings, text.max_position_embeddings)
         self.tokenizer = _load_tokenizer(model_dir)
@@ -197,7 +197,8 @@ class Engine:
         else:
             name = next(n for n, p in self.model.named_parameters() if p is head.weight)
             weight = read_checkpoint_tensor(model_dir, name).to(dtype)
-        whole = Linear(weight.shape[1], weight.shape[0], False, self.backend.weights)
+        with skip_init(dtype):
+            whole = Linear(weight.shape[1], weight.shape[0], False, self.backend.weights)
         whole.weight = torch.nn.Parameter(weight, requires_grad=False)
         whole.process_weights_after_loading()
         return whole

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
-from eaglet.models.config import ModelConfig
-from eaglet.runtime.forward_batch import ForwardBatch
-from eaglet.runtime.kv_cache import KVCacheManager
-from eaglet.executor.request import Request, record_prompt_logprobs
 from eaglet.errors import DistributedError
+from eaglet.executor.request import Request, record_prompt_logprobs
 from eaglet.executor.tp_followers import Followers
+from eaglet.models.config import ModelConfig
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.multimodal.embedding import merge_image_features
+from eaglet.runtime.forward_batch import ForwardBatch
+from eaglet.runtime.kv_cache import KVCacheManager
 
 
 class ModelRunner:
@@ -40,9 +40,11 @@ class ModelRunner:
         except DistributedError as exc:
             self.followers.failed = exc
             raise
-        except Exception as exc:  # the other ranks wait in this forward's collectives: out of step for good
-            self.followers.failed = DistributedError(f"rank 0's forward raised {type(exc).__name__}: {exc}")
-            raise self.followers.failed from exc
+        except BaseException as exc:  # an error or Ctrl-C mid-forward: the other ranks are left in its collectives
+            self.followers.failed = DistributedError(f"rank 0's forward stopped midway ({type(exc).__name__}: {exc})")
+            if isinstance(exc, Exception):
+                raise self.followers.failed from exc
+            raise
 
     def copy_target_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Moves the target's cache entries from slots ``src`` to ``dst`` (an accepted tree path)."""

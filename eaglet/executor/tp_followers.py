@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -83,6 +84,9 @@ class Followers:
         except DistributedError as exc:
             self.failed = exc
             raise
+        except BaseException as exc:  # Ctrl-C between a message's pieces: the ranks would join two messages
+            self.failed = DistributedError(f"a message to the other ranks stopped midway ({type(exc).__name__})")
+            raise
 
     def forward(self, batch: ForwardBatch, cache: KVCacheManager) -> None:
         self._send(("forward", batch_message(batch, cache)))
@@ -118,7 +122,9 @@ class Followers:
         self.comm.close()
 
 
-def follow(comm: Communicator, model: nn.Module, make_cache: Any) -> None:
+def follow(
+    comm: Communicator, model: nn.Module, make_cache: Callable[[dict[str, Any]], tuple[KVCacheManager, Any]]
+) -> None:
     """A rank > 0's loop: runs rank 0's forwards on its share of the model until told to stop.
     ``make_cache(geometry)`` -> (cache, attention backend), called on rank 0's first message."""
     cache: KVCacheManager | None = None

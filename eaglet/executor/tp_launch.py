@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+import signal
 import sys
 import tempfile
 import uuid
@@ -24,13 +26,23 @@ import torch
 import torch.distributed as dist
 
 from eaglet.backends import select_backend
+from eaglet.backends.base import Backend
+from eaglet.backends.pytorch.mla_attention import MLAAttentionBackend
 from eaglet.distributed.communicator import Communicator, GlooCommunicator
-from eaglet.distributed.cpu_binding import CpuBinding, apply_binding, plan_bindings, reset_memory_policy
+from eaglet.distributed.cpu_binding import (
+    CpuBinding,
+    apply_binding,
+    memory_policy,
+    pin_threads,
+    plan_bindings,
+    set_memory_policy,
+)
 from eaglet.distributed.parallel_config import ParallelConfig
 from eaglet.distributed.shm_communicator import ShmCommunicator, create_segment
 from eaglet.distributed.tensor_parallel import TensorParallel
 from eaglet.errors import ConfigError, DistributedError
 from eaglet.executor.tp_followers import Followers, follow
+from eaglet.kernels import tile_backend
 from eaglet.models.registry import load_model
 from eaglet.runtime.kv_cache import KVCacheManager
 
@@ -88,21 +100,37 @@ def join_group(spec: RankSpec) -> Joined:
     return Joined(TensorParallel(spec.rank, parallel.tp_size, parallel.ep_size > 1, comm), load_group)
 
 
-def agree_loaded(joined: Joined, error: str | None) -> None:
-    """Every rank's load outcome; raises ConfigError with the first failed rank's message."""
-    outcomes: list[str | None] = [None] * joined.tp.size
-    dist.all_gather_object(outcomes, error, group=joined.load_group)
-    for rank, outcome in enumerate(outcomes):
+def agree_loaded(joined: Joined, error: str | None, kernels: str) -> None:
+    """Every rank's load outcome; raises ConfigError with the first failed rank's message, or where
+    ranks would run different kernels or dtypes (each rank routes every token itself: the same
+    kernels give the same experts on every rank)."""
+    outcomes: list[tuple[str | None, str] | None] = [None] * joined.tp.size
+    dist.all_gather_object(outcomes, (error, kernels), group=joined.load_group)
+    for rank, (outcome, _) in enumerate(outcomes):
         if outcome is not None:
             raise ConfigError(f"tensor-parallel rank {rank} could not load the model: {outcome}")
+    for rank, (_, theirs) in enumerate(outcomes):
+        if theirs != kernels:
+            raise ConfigError(
+                f"tensor-parallel rank {rank} runs {theirs}, rank {joined.tp.rank} runs {kernels}: give every "
+                "machine the same CPU kind and an explicit --dtype"
+            )
+
+
+def kernels_signature(backend: Backend, dtype: str) -> str:
+    tiles = tile_backend() if backend.kernels else None
+    return f"the {backend.name} backend, {tiles or 'no'} tile GEMM, {dtype}"
 
 
 def rank_main(spec: RankSpec) -> None:
     """Entry point of a spawned rank > 0."""
+    # Ctrl-C in the terminal reaches every process of its group; rank 0 stops the others itself
+    # (and they stop when it is gone), so a rank does not die of it first and look like a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"[%(asctime)s tp{spec.rank} %(levelname)s %(name)s] %(message)s")
     joined = join_group(spec)
+    backend = select_backend(spec.load.cpu_kernels)
     try:
-        backend = select_backend(spec.load.cpu_kernels)
         model, _ = load_model(
             spec.load.model, spec.load.dtype, backend=backend, show_progress=False, quantize=spec.load.quantization, tp=joined.tp
         )
@@ -110,11 +138,11 @@ def rank_main(spec: RankSpec) -> None:
     except Exception as exc:  # reported to rank 0, which raises it
         error = f"{type(exc).__name__}: {exc}"
     try:
-        agree_loaded(joined, error)
+        agree_loaded(joined, error, kernels_signature(backend, spec.load.dtype))
     except ConfigError:
         sys.exit(1)
 
-    def make_cache(geometry: dict) -> tuple[KVCacheManager, object]:
+    def make_cache(geometry: dict) -> tuple[KVCacheManager, MLAAttentionBackend]:
         cache = KVCacheManager(**geometry, ops=backend.cache)
         return cache, backend.mla_attention(cache, None)
 
@@ -134,16 +162,20 @@ class RankGroup:
     def __init__(self, parallel: ParallelConfig, load: RankLoad) -> None:
         if parallel.node_rank != 0:
             raise ConfigError("only node 0 runs the engine; other nodes run their ranks with run_node")
+        require_x86()
+        self.load = load
         self.saved_affinity = os.sched_getaffinity(0)
         self.saved_threads = torch.get_num_threads()
+        self.saved_memory_policy = memory_policy()
         bindings = plan_bindings(parallel.ranks_per_node, parallel.cpu_omp_threads_bind)
         init_method = parallel.init_method()
         shm_path = None
         if parallel.nnodes == 1:
             shm_path = str(Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()) / f"eaglet-tp-{uuid.uuid4().hex}")
             create_segment(shm_path, parallel.tp_size, SLOT_BYTES, MESSAGE_BYTES)
-        self.processes = start_ranks(parallel, init_method, shm_path, bindings, load, skip_first=True)
+        self.processes: list[BaseProcess] = []
         try:
+            self.processes = start_ranks(parallel, init_method, shm_path, bindings, load, skip_first=True)
             self.joined = join_group(RankSpec(parallel, 0, init_method, shm_path, bindings[0], load))
         except Exception as exc:
             exited = [p for p in self.processes if not p.is_alive()]
@@ -163,8 +195,8 @@ class RankGroup:
         self.tp = self.joined.tp
         self.followers = Followers(self.tp.comm, self.processes)
 
-    def agree_loaded(self, error: str | None) -> None:
-        agree_loaded(self.joined, error)
+    def agree_loaded(self, error: str | None, backend: Backend) -> None:
+        agree_loaded(self.joined, error, kernels_signature(backend, self.load.dtype))
 
     def close(self) -> None:
         self.followers.stop()
@@ -174,9 +206,9 @@ class RankGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         # The engine's process goes back to what it had (a test run or an embedding application).
-        os.sched_setaffinity(0, self.saved_affinity)
+        pin_threads(self.saved_affinity)
         torch.set_num_threads(self.saved_threads)
-        reset_memory_policy()
+        set_memory_policy(*self.saved_memory_policy)
 
 
 def start_ranks(
@@ -196,10 +228,18 @@ def start_ranks(
     return processes
 
 
+def require_x86() -> None:
+    """The shared-memory collectives rely on x86's store order and the memory policy on its system
+    call numbers."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ConfigError(f"tensor parallelism runs on x86-64 CPUs; this one is {platform.machine()}")
+
+
 def run_node(parallel: ParallelConfig, load: RankLoad) -> int:
     """A machine other than rank 0's: runs its ranks until they exit; the worst exit code."""
     if parallel.node_rank == 0:
         raise ConfigError("node 0 runs the engine (eaglet serve without --node-rank, or --node-rank 0)")
+    require_x86()
     bindings = plan_bindings(parallel.ranks_per_node, parallel.cpu_omp_threads_bind)
     processes = start_ranks(parallel, parallel.init_method(), None, bindings, load, skip_first=False)
     for process in processes:

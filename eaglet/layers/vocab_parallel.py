@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from eaglet.backends.base import WeightMethods
 from eaglet.distributed.tensor_parallel import TensorParallel, TensorShard
+from eaglet.errors import ConfigError
 from eaglet.layers.linear import Linear
 
 
@@ -22,7 +23,7 @@ class VocabParallelLinear(Linear):
         start = min(tp.rank * per_rank, vocab_size)
         length = min(per_rank, vocab_size - start)
         if length <= 0:
-            raise ValueError(f"tensor parallelism: a vocabulary of {vocab_size} leaves rank {tp.rank} of {tp.size} no rows")
+            raise ConfigError(f"tensor parallelism: a vocabulary of {vocab_size} leaves rank {tp.rank} of {tp.size} no rows")
         super().__init__(hidden_size, length, False, weights)
         self.tp = tp
         self.vocab_size = vocab_size

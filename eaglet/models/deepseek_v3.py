@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -23,6 +24,7 @@ from eaglet.layers.vocab_parallel import VocabParallelLinear
 from eaglet.models.config import ModelConfig, TextConfig, parse_text_config
 from eaglet.models.quantization import parse_quantization
 from eaglet.runtime.forward_batch import ForwardBatch
+
 
 def parse_deepseek_v3_config(raw: dict) -> ModelConfig:
     """A DeepSeek-V3 / Kimi-K2 config.json."""

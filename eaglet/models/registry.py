@@ -16,8 +16,8 @@ from torch import nn
 
 from eaglet.backends.base import Backend
 from eaglet.backends.cpu_caps import auto_dtype
-from eaglet.errors import ConfigError
 from eaglet.distributed.tensor_parallel import TensorParallel
+from eaglet.errors import ConfigError
 from eaglet.models.config import ModelConfig, read_config_json
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, parse_deepseek_v3_config
 from eaglet.models.kimi_k25 import KimiK25ForConditionalGeneration, parse_kimi_k25_config

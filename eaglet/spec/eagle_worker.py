@@ -43,9 +43,9 @@ from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode, long_tensor
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.spec.config import SpeculativeConfig
 from eaglet.spec.draft_inputs import draft_extend_inputs
-from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.drafter import Drafter, TorchDrafter
 from eaglet.spec.grammar_drafts import cut_rejected_drafts, mask_verify_logits
+from eaglet.spec.metrics import PhaseTimer
 from eaglet.spec.round_state import DraftState, RoundRows
 from eaglet.spec.stack_drafter import StackDrafter
 from eaglet.spec.tree import DraftTree, tree_attention_mask
