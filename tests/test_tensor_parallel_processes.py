@@ -145,6 +145,8 @@ def test_server_exits_when_a_rank_is_killed_mid_generation() -> None:
             except httpx.TransportError:
                 time.sleep(0.2)
         (rank1,) = rank_processes(server.pid)
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'eaglet:tensor_parallel_info{communicator="shm",ep_size="1",model_name="target",tp_size="2"} 1.0' in metrics
         body = {"model": "target", "prompt": "Describe the scene.", "max_tokens": 900, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         chunks = 0

@@ -46,6 +46,10 @@ class EngineSnapshot:
     backend: str  # what computes: "cpu" (eaglet's kernels) or "pytorch"
     tile_backend: str  # what the kernels' bfloat16 GEMMs run on ("amx", "avx512_bf16", "avx2"), or ""
     fallback_reason: str  # why the engine runs PyTorch ops instead of the kernels, or ""
+    tp_size: int = 1
+    ep_size: int = 1
+    communicator: str = ""  # "shm" or "gloo" under tensor parallelism
+    collective_seconds: float = 0.0  # rank 0's time inside collectives since start
 
     @property
     def cache_usage(self) -> float:
@@ -71,7 +75,17 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         backend=engine.backend.name,
         tile_backend=kernels.tile_backend() or "" if engine.backend.name == "cpu" else "",
         fallback_reason=engine.backend.fallback_reason or "",
+        **tensor_parallel_fields(engine),
     )
+
+
+def tensor_parallel_fields(engine: Engine) -> dict:
+    group = engine.tp_group
+    if group is None:
+        return {}
+    comm = "gloo" if type(group.tp.comm).__name__ == "GlooCommunicator" else "shm"
+    return {"tp_size": group.tp.size, "ep_size": engine.config.ep_size, "communicator": comm,
+            "collective_seconds": group.tp.time.seconds}
 
 
 class _EngineStateCollector(Collector):
@@ -100,6 +114,13 @@ class _EngineStateCollector(Collector):
                                  labels=labels + ["backend", "tile_backend", "fallback_reason"])
         info.add_metric(values + [s.backend, s.tile_backend, s.fallback_reason], 1)
         yield info
+        parallel = GaugeMetricFamily("eaglet:tensor_parallel_info", "The parallel layout (1): ranks, expert "
+                                     "parallelism, and how the ranks talk (shm, gloo, or none in one process).",
+                                     labels=labels + ["tp_size", "ep_size", "communicator"])
+        parallel.add_metric(values + [str(s.tp_size), str(s.ep_size), s.communicator or "none"], 1)
+        yield parallel
+        yield counter("eaglet:tensor_parallel_collective_seconds", "Rank 0's time inside all-reduces and gathers.",
+                      s.collective_seconds)
         yield gauge("eaglet:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("eaglet:num_requests_waiting", "Requests waiting to be admitted.", s.num_waiting)
         yield gauge("eaglet:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).", s.cache_usage)
