@@ -49,24 +49,31 @@ class PackedTensor:
         return torch.from_numpy(self.data).view(self.dtype).reshape(self.shape)
 
 
-def batch_message(batch: ForwardBatch, cache: KVCacheManager) -> dict[str, Any]:
-    """What another rank needs to run ``batch``: its fields and the table rows its requests read."""
+def batch_message(batch: ForwardBatch, cache: KVCacheManager, known_table: torch.Tensor) -> dict[str, Any]:
+    """What another rank needs to run ``batch``: its fields, and the entries of the request-to-slot
+    table its requests read that differ from ``known_table`` (the other ranks' copy, updated here):
+    a decode step sends its new slots, not every row's whole history."""
     message: dict[str, Any] = {}
     for name in BATCH_FIELDS:
         value = getattr(batch, name)
         message[name] = PackedTensor.of(value) if isinstance(value, torch.Tensor) else value
     max_len = max(batch.seq_lens_cpu, default=0)
-    message["table_rows"] = PackedTensor.of(cache.req_to_token[batch.req_pool_indices, :max_len])
+    rows = batch.req_pool_indices
+    current = cache.req_to_token[rows, :max_len]
+    changed_row, col = (current != known_table[rows, :max_len]).nonzero(as_tuple=True)
+    row = rows[changed_row]
+    values = current[changed_row, col]
+    known_table[row, col] = values
+    message["table_updates"] = PackedTensor.of(torch.stack([row, col, values]))
     return message
 
 
 def followed_batch(message: dict[str, Any], cache: KVCacheManager) -> ForwardBatch:
-    """The batch of ``batch_message``, its table rows written into this rank's table."""
+    """The batch of ``batch_message``, its table updates written into this rank's table."""
     fields = {k: v.unpack() if isinstance(v, PackedTensor) else v for k, v in message.items()}
-    table_rows = fields.pop("table_rows")
-    batch = ForwardBatch(**fields)
-    cache.req_to_token[batch.req_pool_indices, : table_rows.shape[1]] = table_rows
-    return batch
+    row, col, values = fields.pop("table_updates")
+    cache.req_to_token[row, col] = values
+    return ForwardBatch(**fields)
 
 
 class Followers:
@@ -76,6 +83,7 @@ class Followers:
         self.comm = comm
         self.processes = processes  # the other ranks this machine started
         self.failed: DistributedError | None = None
+        self.known_table: torch.Tensor | None = None  # the other ranks' request-to-slot table
 
     def _send(self, message: tuple) -> None:
         self.check()
@@ -89,12 +97,14 @@ class Followers:
             raise
 
     def forward(self, batch: ForwardBatch, cache: KVCacheManager) -> None:
-        self._send(("forward", batch_message(batch, cache)))
+        self._send(("forward", batch_message(batch, cache, self.known_table)))
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._send(("copy_slots", PackedTensor.of(src), PackedTensor.of(dst)))
 
     def setup_cache(self, geometry: dict[str, Any]) -> None:
+        """The other ranks make their cache of ``geometry`` (their table starts zeroed, as rank 0's)."""
+        self.known_table = torch.zeros(geometry["max_requests"], geometry["max_context_len"], dtype=torch.long)
         self._send(("cache", geometry))
 
     def check(self) -> None:
