@@ -432,6 +432,29 @@ def test_bfloat16_tp2_close_to_tp1(tmp_path):
     assert all(same)
 
 
+def test_bfloat16_decoder_stack_all_reduces_as_the_layers_do(tmp_path):
+    """bfloat16 with the kernels: each rank runs its layers in one C++ call that all-reduces through
+    the same shared memory. With rank 0's stack off (its layers one by one in Python, all-reducing
+    there) against rank 1's still on, the two sides meet in the same collectives and every logit
+    keeps its bits."""
+    from eaglet import kernels
+
+    if not kernels.available() or kernels.tile_backend() is None:
+        pytest.skip("the decoder stack needs the tile-layout kernels")
+    path = write_deepseek_v3_checkpoint(tmp_path / "ds", {}, seed=2)
+    requests = text_requests(PROMPTS)
+    with tp_llm(path, dtype="bfloat16") as tp2:
+        model = tp2.engine.model.model
+        assert model.decoder_stack is not None
+        with_stack = prompt_logits(tp2, requests)
+        time = tp2.engine.collective_time()
+        assert time.calls > 0
+        model.decoder_stack = None
+        without = prompt_logits(tp2, requests)
+    for a, b in zip(with_stack, without):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------------
 # quantized checkpoints: int4 routed experts (groups of 32) and FP8 128 x 128 blocks, split on their edges
 

@@ -67,6 +67,11 @@ class StackLayer:
 class DecoderStack(Protocol):
     """Layers run as one call per forward, for the batches the backend's attention takes that way."""
 
+    def use_all_reduce(self, comm: object) -> bool:
+        """Under tensor parallelism: all-reduce each layer's attention and MLP outputs through
+        ``comm`` inside the call; False where it cannot (then the model runs its layers one by one)."""
+        ...
+
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attention: object,
         capture_layers: list[int],

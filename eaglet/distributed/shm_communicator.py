@@ -67,9 +67,18 @@ class ShmCommunicator:
         finally:
             os.close(fd)
         self.flags = np.frombuffer(self.mm, dtype=np.int64, count=HEADER_BYTES // 8)
-        self.seq = 0  # collectives done
+        # Collectives done, shared with the C++ decoder stack's all-reduces (shm_all_reduce.cpp), which
+        # also add their time and count to native_time.
+        self.seq = torch.zeros(1, dtype=torch.long)
+        self._seq = self.seq.numpy()
+        self.native_time = torch.zeros(2, dtype=torch.float64)
         self.message_seq = 0  # message pieces sent / received
         self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
+
+    @property
+    def address(self) -> int:
+        """The segment's first byte in this process."""
+        return self.flags.ctypes.data
 
     # ---- flags: reduce[r] at line r (sequence, then kind and bytes per parity), ack[r] at line
     # size + r, the message header at line 2 * size
@@ -127,16 +136,17 @@ class ShmCommunicator:
         """Publishes ``chunk`` and returns every rank's (views of the shared slots, valid until the
         collective after next). Beside its sequence number a rank publishes the collective's kind
         and size: ranks that disagree are out of step, and say so instead of mixing data."""
-        self.seq += 1
-        parity = self.seq & 1
+        self._seq[0] += 1
+        seq = int(self._seq[0])
+        parity = seq & 1
         nbytes = chunk.numel() * chunk.element_size()
         slots = [self._slot(parity, r, chunk.dtype, chunk.numel()) for r in range(self.size)]
         slots[self.rank].copy_(chunk.reshape(-1))
         # Per parity, like the slots: a rank may publish collective n+1 while this one checks n.
         described = self._reduce_flag(self.rank) + 1 + 2 * parity
         self.flags[described], self.flags[described + 1] = kind, nbytes
-        self.flags[self._reduce_flag(self.rank)] = self.seq
-        self._wait(self._others(self._reduce_flag), self.seq, "a collective")
+        self.flags[self._reduce_flag(self.rank)] = seq
+        self._wait(self._others(self._reduce_flag), seq, "a collective")
         for rank in range(self.size):
             theirs = self._reduce_flag(rank) + 1 + 2 * parity
             if (self.flags[theirs], self.flags[theirs + 1]) != (kind, nbytes):

@@ -80,6 +80,13 @@ class TensorParallel:
         part = self.part(total, what, multiple_of)
         return TensorShard(1, self.rank * part, part) if self.enabled else None
 
+    def collective_time(self) -> CollectiveTime:
+        """Time inside collectives, those the C++ decoder stack runs included."""
+        native = getattr(self.comm, "native_time", None)
+        if native is None:
+            return CollectiveTime(self.time.seconds, self.time.calls)
+        return CollectiveTime(self.time.seconds + float(native[0]), self.time.calls + int(native[1]))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (same bits on every rank), in place where possible."""
         if self.comm is None:

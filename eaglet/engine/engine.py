@@ -211,7 +211,7 @@ class Engine:
 
     def collective_time(self) -> CollectiveTime | None:
         """Rank 0's time inside collectives (tensor parallelism), for the bench's share of a step."""
-        return self.tp_group.tp.time if self.tp_group is not None else None
+        return self.tp_group.tp.collective_time() if self.tp_group is not None else None
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (no-op in one process); the engine is unusable after."""

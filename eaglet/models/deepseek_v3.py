@@ -6,6 +6,7 @@ them one to one (routed experts excepted, see ``RoutedExperts.checkpoint_weights
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -134,12 +135,15 @@ class DeepseekV3Model(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """After the layers prepared their weights (the loader goes children first)."""
-        if self.tp.enabled:
-            return  # a decoder stack runs every layer in one call, with no all-reduce between them
+        if self.tp.expert_parallel:
+            return  # the stack runs every expert of a layer; expert parallelism runs this rank's
         layers = [layer.stack_layer() for layer in self.layers]
         if all(layers):
-            scale = self.layers[0].self_attn.scaling
-            self.decoder_stack = self.backend.decoder_stack(stack_config(self.config, scale), layers)
+            attn = self.layers[0].self_attn
+            config = dataclasses.replace(stack_config(self.config, attn.scaling), num_heads=attn.num_heads)  # this rank's
+            self.decoder_stack = self.backend.decoder_stack(config, layers)
+        if self.tp.enabled and self.decoder_stack is not None and not self.decoder_stack.use_all_reduce(self.tp.comm):
+            self.decoder_stack = None
 
     def forward(self, batch: ForwardBatch, attention: MLAAttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden states [T, D], captured residual streams or None)."""

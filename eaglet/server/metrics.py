@@ -85,7 +85,7 @@ def tensor_parallel_fields(engine: Engine) -> dict:
         return {}
     comm = "gloo" if type(group.tp.comm).__name__ == "GlooCommunicator" else "shm"
     return {"tp_size": group.tp.size, "ep_size": engine.config.ep_size, "communicator": comm,
-            "collective_seconds": group.tp.time.seconds}
+            "collective_seconds": group.tp.collective_time().seconds}
 
 
 class _EngineStateCollector(Collector):

@@ -19,6 +19,7 @@ from eaglet.backends.base import LinearMethod
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
 from eaglet.backends.cpu.weights import TileExperts, TileLinear, TileSwiGLU
 from eaglet.backends.stack import StackConfig, StackLayer
+from eaglet.distributed.shm_communicator import ShmCommunicator
 from eaglet.runtime.forward_batch import ForwardBatch
 
 
@@ -97,6 +98,18 @@ class CpuDecoderStack:
         if inputs is None:
             return None
         return self.stack.forward(hidden=hidden, cos=cos, sin=sin, capture_layers=capture_layers, **inputs)
+
+    def use_all_reduce(self, comm: object) -> bool:
+        """Under tensor parallelism: all-reduces each layer's attention and MLP outputs through
+        ``comm``'s shared memory from C++; False (the layers run one by one) for another communicator."""
+        if not isinstance(comm, ShmCommunicator):
+            return False
+        self.stack.set_tensor_parallel(
+            address=comm.address, rank=comm.rank, size=comm.size, slot_bytes=comm.slot_bytes,
+            message_bytes=comm.message_bytes, seq=comm.seq, time=comm.native_time, pids=comm.pids,
+            timeout_s=comm.timeout_s,
+        )
+        return True
 
     def forward_eagle3(
         self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,

@@ -147,7 +147,9 @@ at::Tensor DecoderStack::layer_forward(const StackLayer& l, int64_t index, const
   const at::Tensor attn = traced("eaglet.stack.attention", [&] {
     return mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.attention, batch.attention);
   });
-  h = traced("eaglet.stack.o_proj", [&] { return add_bf16(h, amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)); });
+  h = traced("eaglet.stack.o_proj", [&] {
+    return add_bf16(h, reduced(amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)));
+  });
   const at::Tensor y = rms_norm(h, l.post_norm, eps);
   at::Tensor mlp;
   if (l.moe) {
@@ -161,7 +163,12 @@ at::Tensor DecoderStack::layer_forward(const StackLayer& l, int64_t index, const
   } else {
     mlp = traced("eaglet.stack.mlp", [&] { return amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter); });
   }
-  return add_bf16(h, mlp);
+  return add_bf16(h, reduced(mlp));
+}
+
+at::Tensor DecoderStack::reduced(at::Tensor partial) const {
+  if (group) traced("eaglet.stack.all_reduce", [&] { shm_all_reduce(*group, partial); return 0; });
+  return partial;
 }
 
 }  // namespace eaglet

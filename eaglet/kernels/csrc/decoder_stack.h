@@ -3,6 +3,7 @@
 // extend and a speculative round's whole drafting in one call each (draft.cpp).
 #pragma once
 
+#include "shm_all_reduce.h"
 #include "ops.h"
 
 #include <torch/custom_class.h>
@@ -90,10 +91,14 @@ struct DecoderStack : torch::CustomClassHolder {
   RouterConfig router;
   std::vector<StackLayer> layers;
   c10::optional<DraftHead> draft_head;
+  // Under tensor parallelism (set_tensor_parallel): each layer's attention and MLP outputs are
+  // partial sums, all-reduced through the group's shared memory before the residual adds.
+  c10::optional<ShmGroup> group;
 
   explicit DecoderStack(const DecoderStackConfig& config);
   void add_layer(const c10::Dict<std::string, at::Tensor>& weights, int64_t mlp_inter, int64_t expert_inter);
   void set_draft_head(const DraftHead& head);
+  void set_tensor_parallel(const ShmGroup& shm_group) { group = shm_group; }
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const AbsorbedBatch& batch,
@@ -108,6 +113,7 @@ struct DecoderStack : torch::CustomClassHolder {
  private:
   void check_inputs(const at::Tensor& h, const at::Tensor& kv) const;
   const DraftHead& head_of(const char* call) const;
+  at::Tensor reduced(at::Tensor partial) const;
   at::Tensor layer_forward(const StackLayer& l, int64_t index, const at::Tensor& x, at::Tensor h, const at::Tensor& cos,
                            const at::Tensor& sin, const AbsorbedBatch& batch);
 };

@@ -82,6 +82,21 @@ TORCH_LIBRARY(eaglet, m) {
            },
            "", {torch::arg("fc"), torch::arg("fc_out"), torch::arg("embed"), torch::arg("norm_weight"), torch::arg("norm_eps"),
                 torch::arg("lm_head"), torch::arg("vocab"), torch::arg("lm_head_bias"), torch::arg("d2t"), torch::arg("norm_output")})
+      .def("set_tensor_parallel",
+           [](const Stack& self, int64_t address, int64_t rank, int64_t size, int64_t slot_bytes, int64_t message_bytes,
+              at::Tensor seq, at::Tensor time, std::vector<int64_t> pids, double timeout_s) {
+             self->set_tensor_parallel({.base = reinterpret_cast<uint8_t*>(address),
+                                        .rank = rank,
+                                        .size = size,
+                                        .slot_bytes = slot_bytes,
+                                        .message_bytes = message_bytes,
+                                        .seq = seq,
+                                        .time = time,
+                                        .pids = pids,
+                                        .timeout_s = timeout_s});
+           },
+           "", {torch::arg("address"), torch::arg("rank"), torch::arg("size"), torch::arg("slot_bytes"),
+                torch::arg("message_bytes"), torch::arg("seq"), torch::arg("time"), torch::arg("pids"), torch::arg("timeout_s")})
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward",
            [](const Stack& self, at::Tensor hidden, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor out_cache_loc,
