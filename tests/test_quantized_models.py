@@ -238,3 +238,23 @@ def test_int4_at_load_time_equals_the_compressed_tensors_checkpoint(kimi_int4):
     assert experts.w13.device.type == "meta"
     for a, b in zip(prompt_logits(at_load, KIMI_REQUESTS), prompt_logits(published, KIMI_REQUESTS)):
         assert torch.equal(a, b)
+
+
+def test_roofline_counts_quantized_experts_as_stored(tmp_path):
+    """The bench's read floor counts a routed expert's int4 codes and scales, not bf16 bytes."""
+    from eaglet.bench.roofline import step_floor
+    from eaglet.layers.moe import RoutedExperts
+
+    write_kimi_k25_checkpoint(tmp_path / "bf16", {"moe_intermediate_size": 64}, seed=3, dtype=torch.bfloat16,
+                              image_token_id=IMAGE_TOKEN)
+    plain = LLM(str(tmp_path / "bf16"), dtype="bfloat16", show_progress=False)
+    int4 = LLM(str(write_int4_checkpoint(tmp_path / "bf16", tmp_path / "int4")), dtype="bfloat16", show_progress=False)
+    floors = {}
+    for name, llm in (("bf16", plain), ("int4", int4)):
+        model = llm.engine.model
+        experts = {n: m for n, m in model.named_modules() if isinstance(m, RoutedExperts)}
+        floors[name] = step_floor(model, llm.engine.model_config.text, torch.bfloat16, 1, 8.0,
+                                  {n: 2.0 for n in experts}, read_gbps=10.0, gemm_gflops=10.0)["bytes"]
+    # int4: 4 bits per weight + one bfloat16 scale per 32 weights = 0.5625 bytes, against 2
+    assert floors["int4"]["active_experts"] == pytest.approx(floors["bf16"]["active_experts"] * 0.5625 / 2)
+    assert floors["int4"]["dense_weights"] == floors["bf16"]["dense_weights"]

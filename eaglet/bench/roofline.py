@@ -62,6 +62,7 @@ def step_floor(model: torch.nn.Module, cfg: TextConfig, dtype: torch.dtype, batc
                distinct: dict[str, float], read_gbps: float, gemm_gflops: float) -> dict:
     """Bytes a decode step must read and FLOPs it must do, from eaglet's own parameters."""
     from eaglet.layers.moe import RoutedExperts
+    from eaglet.layers.quantized_weight import QuantizableWeight
 
     experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
     expert_params = {id(p) for m in experts.values() for p in (m.w13, m.w2)}
@@ -74,15 +75,18 @@ def step_floor(model: torch.nn.Module, cfg: TextConfig, dtype: torch.dtype, batc
         if "embed_tokens" in name:
             embed_bytes = batch * p.shape[-1] * p.element_size()
             continue
-        weight_bytes += p.numel() * p.element_size()
         if p.dim() == 2:
             linear_numel += p.numel()
+        if not p.is_meta:  # a meta stand-in: the weight is read in its quantized form (below)
+            weight_bytes += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, QuantizableWeight) and m.quantized_weight is not None:
+            weight_bytes += m.quantized_weight.nbytes
     expert_bytes = 0.0
     expert_numel_per_token = 0
     for name, m in experts.items():
-        per_expert = (m.w13[0].numel() + m.w2[0].numel())
-        expert_bytes += distinct.get(name, 0.0) * per_expert * m.w13.element_size()
-        expert_numel_per_token += cfg.num_experts_per_tok * per_expert
+        expert_bytes += distinct.get(name, 0.0) * m.bytes_per_expert()
+        expert_numel_per_token += cfg.num_experts_per_tok * (m.w13[0].numel() + m.w2[0].numel())
     layers, kv_dim = cfg.num_hidden_layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     kv_bytes = layers * batch * mean_seq_len * kv_dim * dtype.itemsize
     total_bytes = embed_bytes + weight_bytes + expert_bytes + kv_bytes

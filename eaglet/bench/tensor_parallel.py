@@ -40,12 +40,12 @@ def bench_layout(ckpt: dict, layout: dict, batch_sizes: list[int], args: argpars
             run_eaglet_steps(llm, prompts, args.new_tokens)  # warm-up
             runs = []
             for _ in range(args.repeats):
-                collectives = engine.collective_time()
-                before = (collectives.seconds, collectives.calls) if collectives else (0.0, 0)
+                before = engine.collective_time()
                 run = run_eaglet_steps(llm, prompts, args.new_tokens)
-                if collectives:
-                    run["collective_s"] = collectives.seconds - before[0]
-                    run["collective_calls"] = collectives.calls - before[1]
+                after = engine.collective_time()
+                if before is not None and after is not None:
+                    run["collective_s"] = after.seconds - before.seconds
+                    run["collective_calls"] = after.calls - before.calls
                 runs.append(run)
             busy = [r["prefill_s"] + r["decode_s"] for r in runs]
             rows[batch] = {

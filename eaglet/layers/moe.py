@@ -125,14 +125,22 @@ class RoutedExperts(nn.Module):
         self.weights = weights
         self.method: ExpertsMethod | None = None
         # Per-expert projections the checkpoint stores quantized, by checkpoint-name suffix; stacked
-        # into quantized w13 / w2 after loading.
+        # into quantized w13 / w2 after loading (``quantized``; w13 / w2 then hold no storage).
         self.quantized_parts: dict[str, QuantizedMatrix] = {}
+        self.quantized: tuple[QuantizedMatrix, QuantizedMatrix] | None = None
+
+    def bytes_per_expert(self) -> float:
+        """Bytes one expert's weights take in the form they are multiplied in (a decode step reads them)."""
+        if self.quantized is not None:
+            return sum(m.nbytes for m in self.quantized) / self.num_experts
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
     def process_weights_after_loading(self) -> None:
         if self.quantized_parts:
             w13, w2 = self._stack_quantized()
             self.w13, self.w2 = meta_parameter(self.w13), meta_parameter(self.w2)
             self.quantized_parts = {}
+            self.quantized = (w13, w2)
             self.method = self.weights.experts(w13, w2)
             return
         self.method = self.weights.experts(self.w13.detach(), self.w2.detach())
