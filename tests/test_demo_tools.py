@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from test_server import LiveServer, serve
-from test_tool_calls_server import answer, streamed
+from test_tool_calls_server import answer
 from transformers import AutoTokenizer
 
 from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR, demo_model_available
@@ -58,6 +58,25 @@ def chat(server: LiveServer, messages: list[dict], **kwargs):
     return server.client().chat.completions.create(model=MODEL, messages=messages, temperature=0.0, **kwargs)
 
 
+def streamed(server: LiveServer, messages: list[dict], **kwargs) -> dict:
+    """The stream joined up as a client joins it, in answer()'s form."""
+    content, reasoning, calls, finish = "", "", [], []
+    for chunk in chat(server, messages, stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    calls.append({"id": call.id, "name": call.function.name, "arguments": call.function.arguments or ""})
+                else:
+                    calls[call.index]["arguments"] += call.function.arguments
+            if choice.finish_reason is not None:
+                finish.append(choice.finish_reason)
+    assert len(finish) == 1
+    return {"content": content or None, "reasoning_content": reasoning or None, "tool_calls": calls,
+            "finish_reason": finish[0]}
+
+
 def test_demo_task_prompts_are_the_templates() -> None:
     """The prompts the demo was trained on are what the server renders."""
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_TARGET_DIR))
@@ -98,8 +117,7 @@ def test_two_turn_tool_conversation(server: LiveServer, template: dict) -> None:
         assert "reasoning_content" not in first.choices[0].message.model_extra
     else:
         assert full["reasoning_content"] and "count_shapes" in full["reasoning_content"]
-    joined, _ = streamed(server, messages, tools=tools, extra_body=template, max_tokens=64)
-    assert joined == full
+    assert streamed(server, messages, tools=tools, extra_body=template) == full
 
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -111,8 +129,7 @@ def test_two_turn_tool_conversation(server: LiveServer, template: dict) -> None:
     assert final["finish_reason"] == "stop" and not final["tool_calls"]
     assert final["content"] == demo_task.tool_answer(colour, str(count))
     assert (final["reasoning_content"] is None) == bool(template)
-    joined, _ = streamed(server, messages, tools=tools, extra_body=template, max_tokens=64)
-    assert joined == final
+    assert streamed(server, messages, tools=tools, extra_body=template) == final
 
 
 def test_thinking_on_and_off_for_a_scene_question(server: LiveServer) -> None:

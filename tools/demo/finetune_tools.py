@@ -72,7 +72,10 @@ def make_init(source: Path, init_dir: Path, seed: int, log=print) -> None:
 
 
 class ToolExampleMaker(tt.ExampleMaker):
-    """Examples of the old tasks and the count_shapes turns, with thinking on or off."""
+    """Examples of the old tasks and the count_shapes turns, with thinking on or off; ``tool_boost``
+    multiplies the tool turns' share of the mix."""
+
+    tool_boost: float = 1.0
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -85,7 +88,8 @@ class ToolExampleMaker(tt.ExampleMaker):
 
     def example(self, rng: random.Random) -> tt.Example:
         kinds = list(task.TASK_WEIGHTS)
-        kind = rng.choices(kinds, weights=[task.TASK_WEIGHTS[k] for k in kinds])[0]
+        weights = [task.TASK_WEIGHTS[k] * (self.tool_boost if k in task.TOOL_TASKS else 1.0) for k in kinds]
+        kind = rng.choices(kinds, weights=weights)[0]
         thinking = rng.random() < 0.5
         scene = None
         if kind == "docs":
@@ -174,7 +178,7 @@ def split_batch_loss(model: torch.nn.Module, examples: list[tt.Example], pad_id:
 
 
 def train(init_dir: Path, work_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int,
-          max_minutes: float | None, log=print) -> torch.nn.Module:
+          max_minutes: float | None, tool_boost: float = 1.0, log=print) -> torch.nn.Module:
     model = tt.load_reference_kimi_k25(init_dir)
     model.train()
     for module in (model.model.vision_tower, model.model.mm_projector):
@@ -182,6 +186,7 @@ def train(init_dir: Path, work_dir: Path, *, steps: int, batch_size: int, lr: fl
         module.eval()
     tokenizer = Tokenizer.from_file(str(init_dir / "tokenizer.json"))
     maker = ToolExampleMaker(tokenizer, tt.make_image_processor(init_dir), docs_paragraphs())
+    maker.tool_boost = tool_boost
     settings = tt.TrainSettings(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=30, seed=seed,
                                 checkpoint_every=100, vision_pretrain_steps=0, probe_loss_weight=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -255,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument("--tool-boost", type=float, default=1.0,
+                        help="multiplies the tool turns' weight in the mix (a resumed phase may raise it)")
     parser.add_argument("--draft-prompts", type=int, default=4000)
     parser.add_argument("--draft-epochs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     init_dir = args.work / "init"
     stages = set(args.stages.split(","))
     settings = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-                "task_weights": task.TASK_WEIGHTS, "frozen": ["vision_tower", "mm_projector"]}
+                "task_weights": task.TASK_WEIGHTS, "tool_boost": args.tool_boost, "frozen": ["vision_tower", "mm_projector"]}
     if "init" in stages:
         make_init(args.source, init_dir, args.seed, log=log)
         check_rendering(init_dir)
@@ -281,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in stages:
         began = time.monotonic()
         train(init_dir, args.work, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-              max_minutes=args.max_minutes, log=log)
+              max_minutes=args.max_minutes, tool_boost=args.tool_boost, log=log)
         log(f"fine-tune took {(time.monotonic() - began) / 60:.1f} min")
     if "export" in stages:
         export(init_dir, args.work, args.out / "target", settings, log=log)
