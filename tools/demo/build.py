@@ -27,10 +27,10 @@ import torch
 
 from eaglet.demo_model import DEMO_DIR
 from eaglet.testing import scenes
-from eaglet.testing.demo_task import TASK_WEIGHTS, docs_prompt_and_answer
+from eaglet.testing.demo_task import held_out_prompts
 from eaglet.testing.docs_corpus import docs_paragraphs
 from tools.demo import train_target as tt
-from tools.demo.tokenizer import save_tokenizer, train_tokenizer
+from tools.demo.tokenizer import model_vocab_size, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,11 +64,14 @@ def build_target(out_dir: Path, work_dir: Path, *, smoke: bool, steps: int, batc
     tokenizer = train_tokenizer(tokenizer_texts(seed), vocab)
     init_dir = work_dir / "init"
     if not (init_dir / "config.json").exists():
-        tt.write_initial_checkpoint(init_dir, size, vocab, seed)
+        tt.write_initial_checkpoint(init_dir, size, model_vocab_size(tokenizer), seed)
     save_tokenizer(tokenizer, init_dir)
     model = tt.load_model_for_training(init_dir)
-    log(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {vocab}")
-    maker = tt.ExampleMaker(tokenizer, tt.make_image_processor(init_dir), docs_paragraphs())
+    log(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"vocab {model_vocab_size(tokenizer)} (BPE {vocab} + markers)")
+    from tools.demo.finetune_tools import ToolExampleMaker
+
+    maker = ToolExampleMaker(tokenizer, tt.make_image_processor(init_dir), docs_paragraphs())
     settings = tt.TrainSettings(steps=steps, batch_size=batch_size, seed=seed,
                                 warmup_steps=min(100, max(1, steps // 10)),
                                 vision_pretrain_steps=4 if smoke else tt.TrainSettings.vision_pretrain_steps)
@@ -133,22 +136,18 @@ def check_against_transformers(checkpoint: Path) -> float:
     return worst
 
 
-def draft_prompts(count: int, seed: int) -> list[dict]:
-    """Held-in prompts for draft training, in eaglet train-draft's format: scene questions of
-    every kind (with the rendered image) and docs continuations, in the target's task mix."""
-    rng = random.Random(f"draft-prompts-{seed}")
-    docs = docs_paragraphs()
-    kinds = list(TASK_WEIGHTS)
+def draft_prompts(count: int, seed: int, tokenizer_dir: Path) -> list[dict]:
+    """Held-in prompts for draft training, in eaglet train-draft's format (token ids of the demo
+    task's own renderings, with the rendered image): scene questions of every kind, docs
+    continuations and count_shapes calls and answers, in the target's task mix, thinking on for
+    about half."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     prompts = []
-    for _ in range(count):
-        kind = rng.choices(kinds, weights=[TASK_WEIGHTS[k] for k in kinds])[0]
-        if kind == "docs":
-            prompt, _ = docs_prompt_and_answer(docs, rng)
-            prompts.append({"prompt": prompt})
-        else:
-            scene = scenes.random_scene(rng)
-            qa = scenes.question_about(scene, kind, rng)
-            prompts.append({"prompt": qa.question, "images": [scenes.render_scene(scene)]})
+    for prompt in held_out_prompts(count, seed=f"draft-{seed}", thinking=None):
+        ids = tokenizer.encode(prompt["prompt"], add_special_tokens=False).ids
+        prompts.append({"prompt_token_ids": ids, **({"images": prompt["images"]} if "images" in prompt else {})})
     return prompts
 
 
@@ -165,11 +164,11 @@ def build_draft(out_dir: Path, work_dir: Path, *, smoke: bool, num_prompts: int,
                      else tuple(max(0, num_layers - 3 + i) for i in range(3)))
     config = TrainDraftConfig(
         target=str(target_dir),
-        prompts=draft_prompts(num_prompts, seed),
+        prompts=draft_prompts(num_prompts, seed, target_dir),
         output_dir=str(train_dir),
         architecture="mla",
         aux_layer_ids=aux_layer_ids,
-        draft_vocab_size=SMOKE_VOCAB if smoke else FULL_VOCAB,
+        draft_vocab_size=json.loads((target_dir / "config.json").read_text())["text_config"]["vocab_size"],
         ttt_length=DRAFT_TTT_LENGTH,
         learning_rate=DRAFT_LR,
         warmup_ratio=0.05,

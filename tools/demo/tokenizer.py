@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from eaglet.server.kimi_k2_output import REASONING_MARKERS, TOOL_CALL_MARKERS
 from eaglet.testing.demo_task import CHAT_TEMPLATE
 
 # Ids follow the list order: [BOS] 0, [EOS] 1, <|im_end|> 2, ...
@@ -18,6 +19,26 @@ SPECIAL_TOKENS = (
     "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "[PAD]",
 )
 BOS, EOS, IM_END, MEDIA_PAD, PAD = "[BOS]", "[EOS]", "<|im_end|>", "<|media_pad|>", "[PAD]"
+# Kimi's thinking and tool-call markers, special tokens after the BPE vocabulary (ids 1024-1030 in
+# the full build), as in Kimi's own tokenizer. The model's vocab_size rounds the total up to 8.
+MARKERS = REASONING_MARKERS + TOOL_CALL_MARKERS
+
+
+def add_markers(tokenizer: Tokenizer) -> dict[str, int]:
+    """Adds MARKERS as special tokens right after the vocabulary; returns their ids."""
+    first = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_special_tokens(list(MARKERS))
+    ids = {marker: tokenizer.token_to_id(marker) for marker in MARKERS}
+    if list(ids.values()) != list(range(first, first + len(MARKERS))):
+        raise AssertionError(f"markers got unexpected ids {ids}")
+    return ids
+
+
+def model_vocab_size(tokenizer: Tokenizer) -> int:
+    """The model's vocab_size for a tokenizer: every id, rounded up to a multiple of 8."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    return (n + 7) // 8 * 8
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
@@ -33,6 +54,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     for index, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != index:
             raise AssertionError(f"special token {token} did not get id {index}")
+    add_markers(tokenizer)
     return tokenizer
 
 

@@ -28,7 +28,7 @@ from eaglet.testing.checkpoints import (
     transformers_state_to_published,
     write_kimi_k25_checkpoint,
 )
-from eaglet.testing.demo_task import TASK_WEIGHTS, docs_prompt_and_answer, user_prompt
+from eaglet.testing.demo_task import SCENE_TASKS, TASK_WEIGHTS, docs_prompt_and_answer, user_prompt
 from tools.demo.tokenizer import IM_END, MEDIA_PAD, PAD, special_token_id
 
 
@@ -147,7 +147,9 @@ class ExampleMaker:
         return ids, processed.pixel_values, grid
 
     def example(self, rng: random.Random) -> Example:
-        kinds = list(TASK_WEIGHTS)
+        """A scene question or docs continuation, thinking off (finetune_tools.ToolExampleMaker
+        makes the whole task, tools and thinking included)."""
+        kinds = [*SCENE_TASKS, "docs"]
         kind = rng.choices(kinds, weights=[TASK_WEIGHTS[k] for k in kinds])[0]
         labels = None
         if kind == "docs":
