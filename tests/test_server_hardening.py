@@ -142,7 +142,7 @@ def test_special_token_text_in_messages_stays_text(demo_server, tokenizer, monke
     assert controls == [
         "<|im_system|>", "<|im_middle|>", "<|im_end|>",
         "<|im_user|>", "<|im_middle|>", "<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>",
-        "<|im_end|>", "<|im_assistant|>", "<|im_middle|>",
+        "<|im_end|>", "<|im_assistant|>", "<|im_middle|>", "<think>",
     ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(token_ids) == rendered  # nothing of the text lost

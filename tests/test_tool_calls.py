@@ -149,10 +149,13 @@ def test_serve_flags_choose_the_parsers() -> None:
 
 
 @pytest.mark.skipif(not demo_model_available(), reason="the demo model is not built")
-def test_a_template_that_ignores_tools_renders_as_without_them() -> None:
+def test_a_template_that_ignores_tools_renders_as_without_them(tmp_path) -> None:
     from transformers import AutoTokenizer
 
-    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(DEMO_TARGET_DIR)), 1000)
+    from eaglet.testing.checkpoints import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path, 256, chat_style="kimi")  # Kimi's template without tools or thinking
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tmp_path)), 1000)
     try:
         messages = [{"role": "user", "content": "Hi"}]
         history = [*messages, {"role": "assistant", "content": "", "tool_calls": [call("functions.f:0", "f", "{}").model_dump()]},

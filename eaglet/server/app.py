@@ -53,7 +53,7 @@ from eaglet.server.output_parsing import OutputParsing
 from eaglet.server.prompts import PromptEncoder
 from eaglet.server.step_tally import StepTally
 from eaglet.server.streams import SampleStreams
-from eaglet.server.structured_output import structured_output
+from eaglet.server.structured_output import schema_alone, structured_output
 from eaglet.server.tool_calls import tool_use, unmet_tool_choice
 
 logger = logging.getLogger("eaglet.server")
@@ -311,6 +311,9 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig, tally: StepTally
         )
         constraint = structured_output(body, tools, output_format.starts_in_reasoning, special_ids)
         if constraint is not None:  # a schema or grammar that does not compile is a 400, found off the engine's thread
+            schema = schema_alone(body)
+            if schema is not None and constraint.lark is not None:
+                await asyncio.to_thread(engine.grammars.check, schema)
             await asyncio.to_thread(engine.grammars.check, constraint)
         params = dataclasses.replace(params_of(body, max_tokens, logprobs), structured_output=constraint)
         if parsing.engine_keeps_special_tokens(output_format):

@@ -46,6 +46,14 @@ def structured_output(
     return StructuredOutput(json_schema=schema)
 
 
+def schema_alone(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The response_format's JSON schema by itself (None without one): checked before the grammar
+    that embeds it after a thinking section, so a bad schema is reported as the schema's error."""
+    if body.response_format is None or body.response_format.type != "json_schema":
+        return None
+    return StructuredOutput(json_schema=_response_schema(body.response_format))
+
+
 def _response_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
     if response_format is None or response_format.type == "text":
         return None
