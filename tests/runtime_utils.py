@@ -42,3 +42,20 @@ def prompt_logits(llm: LLM, prompts: list[dict], chunk: int | None = None) -> li
 def greedy(max_new_tokens: int = 32) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
+
+
+def wait_until_healthy(process, base_url: str, timeout_s: float) -> None:
+    """Waits for a server subprocess's /health to answer 200; fails with its output if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

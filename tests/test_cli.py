@@ -7,13 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
-from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_tiny_tokenizer
-from eaglet.testing.images import make_image
-from eaglet.testing.echo_checkpoints import echo_draft, echo_kimi_target
+from runtime_utils import wait_until_healthy
 
 import eaglet.demo_model
 from eaglet import LLM, SamplingParams
 from eaglet.cli import main
+from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_tiny_tokenizer
+from eaglet.testing.echo_checkpoints import echo_draft, echo_kimi_target
+from eaglet.testing.images import make_image
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,6 @@ def test_serve_command_answers_requests(checkpoint) -> None:
     import socket
     import subprocess
     import sys
-    import time
 
     import httpx
 
@@ -128,15 +128,7 @@ def test_serve_command_answers_requests(checkpoint) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[0]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(process, base, 60)
         headers = {"Authorization": "Bearer k"}
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=30)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from runtime_utils import greedy, prompt_logits
 from safetensors.torch import load_file, save_file
+from test_deepseek_parity import YARN
 
 from eaglet import LLM
 from eaglet.errors import CheckpointError, ConfigError
@@ -37,15 +38,6 @@ from eaglet.testing.quantized_checkpoints import (
     write_int4_checkpoint,
 )
 
-YARN = {
-    "type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
 DEEPSEEK = {
     # case: (text overrides, ep_size)
     "q_lora-dense1-tp2": ({}, 1),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from runtime_utils import wait_until_healthy
 
 from eaglet import LLM
 from eaglet.distributed.cpu_binding import parse_cpu_list, plan_bindings
@@ -135,15 +136,7 @@ def test_server_exits_when_a_rank_is_killed_mid_generation() -> None:
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, server.communicate()[0]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(server, base, 90)
         (rank1,) = rank_processes(server.pid)
         metrics = httpx.get(f"{base}/metrics", timeout=5).text
         assert 'eaglet:tensor_parallel_info{communicator="shm",ep_size="1",model_name="target",tp_size="2"} 1.0' in metrics

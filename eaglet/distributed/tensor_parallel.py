@@ -8,6 +8,7 @@ slice of the checkpoint tensor) and sums or gathers the partial results through 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,20 +90,15 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (same bits on every rank), in place where possible."""
-        if self.comm is None:
-            return x
-        start = time.perf_counter()
-        out = self.comm.all_reduce(x)
-        self.time.seconds += time.perf_counter() - start
-        self.time.calls += 1
-        return out
+        return x if self.comm is None else self._timed(self.comm.all_reduce, x)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dimension, in rank order."""
-        if self.comm is None:
-            return x
+        return x if self.comm is None else self._timed(self.comm.all_gather, x)
+
+    def _timed(self, collective: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        out = self.comm.all_gather(x)
+        out = collective(x)
         self.time.seconds += time.perf_counter() - start
         self.time.calls += 1
         return out
