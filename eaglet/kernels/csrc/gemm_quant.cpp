@@ -25,6 +25,7 @@ namespace {
 
 constexpr int64_t kChunk = 64;  // int4: k values per step (8 words, one per lane)
 constexpr int kRowsAtOnce = 4;  // x rows sharing each unpacked weight chunk
+constexpr int64_t kColBlock = 4;  // weight rows a body call gets (the int4 kernel runs up to 4 at once)
 constexpr int64_t kRowBlock = 64;  // x rows against which a thread's columns run before the next rows (a multiple of 4)
 
 // x rows as float32 in the int4 kernel's order: within each 64-value chunk, position 8 * j + w holds
@@ -79,62 +80,91 @@ inline __m256i load_words(const int32_t* codes, int64_t w0, int64_t words) {
 }
 #endif
 
-// out[r][n] for rows r0 .. r0 + NR - 1 (NR <= kRowsAtOnce, a constant so the per-row sums stay in
-// registers) of one weight row n.
-template <int NR, typename S>
-void int4_row(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
-              int64_t group, float* out, int64_t out_stride) {
-  constexpr int nr = NR;
+// out[r][n + j] for rows r0 .. r0 + NR - 1 and weight rows n .. n + NC - 1 (constants, so the sums
+// stay in registers). Several weight rows at once give the FMA unit independent chains: one row's
+// chunk is a chain of eight dependent FMAs, which alone leaves the unit waiting on its latency.
+template <int NR, int NC, typename S>
+void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
+                int64_t groups, int64_t group, float* out, int64_t out_stride) {
+  constexpr int nr = NR, nc = NC;
 #if defined(EAGLET_QUANT_AVX2)
-  __m256 acc[NR];
-  for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[NR][NC];
+  for (int r = 0; r < nr; ++r)
+    for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(0xF);
+  const int64_t x_stride = rows.chunks * kChunk;
   for (int64_t c = 0; c < rows.chunks; ++c) {
-    const __m256i packed = load_words(codes, c * 8, words);
-    // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
-    const int64_t k0 = c * kChunk;
-    const float s_lo = scale_at(scales, k0 / group);
-    const float s_hi = k0 + 32 < words * 8 ? scale_at(scales, (k0 + 32) / group) : 0.0f;
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
-    __m256 dot[NR];
+    __m256i packed[NC];
+    for (int j = 0; j < nc; ++j) packed[j] = load_words(codes + j * words, c * 8, words);
     const float* x0 = rows.x.data() + (r0 * rows.chunks + c) * kChunk;
-    const int64_t x_stride = rows.chunks * kChunk;
-    {
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(packed, low4));
-      for (int r = 0; r < nr; ++r) dot[r] = _mm256_mul_ps(_mm256_loadu_ps(x0 + r * x_stride), q);
+    __m256 dot[NR][NC];
+    for (int j = 0; j < nc; ++j) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(packed[j], low4));
+      for (int r = 0; r < nr; ++r) dot[r][j] = _mm256_mul_ps(_mm256_loadu_ps(x0 + r * x_stride), q);
     }
 #pragma GCC unroll 7
-    for (int j = 1; j < 8; ++j) {
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(packed, 4 * j), low4));
-      for (int r = 0; r < nr; ++r) dot[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + r * x_stride + 8 * j), q, dot[r]);
-    }
-    for (int r = 0; r < nr; ++r) {
-      const __m256 off = _mm256_loadu_ps(rows.offset.data() + ((r0 + r) * rows.chunks + c) * 8);
-      acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(dot[r], off), scale, acc[r]);
-    }
-  }
-  for (int r = 0; r < nr; ++r) out[(r0 + r) * out_stride] = reduce8(acc[r]);
-#else
-  for (int r = 0; r < nr; ++r) {
-    float acc[8] = {0};
-    for (int64_t c = 0; c < rows.chunks; ++c) {
-      const int64_t k0 = c * kChunk;
-      for (int w = 0; w < 8; ++w) {
-        const int64_t word = c * 8 + w;
-        const uint32_t bits = word < words ? static_cast<uint32_t>(codes[word]) : 0u;
-        const float s = word < words ? scale_at(scales, (k0 + 8 * w) / group) : 0.0f;
-        float dot = 0.0f;
-        for (int j = 0; j < 8; ++j) {
-          const float q = static_cast<float>((bits >> (4 * j)) & 0xF);
-          const float xv = rows.x[((r0 + r) * rows.chunks + c) * kChunk + 8 * j + w];
-          dot = j == 0 ? xv * q : std::fma(xv, q, dot);
-        }
-        acc[w] = std::fma(dot - rows.offset[((r0 + r) * rows.chunks + c) * 8 + w], s, acc[w]);
+    for (int b = 1; b < 8; ++b) {
+      for (int j = 0; j < nc; ++j) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(packed[j], 4 * b), low4));
+        for (int r = 0; r < nr; ++r) dot[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + r * x_stride + 8 * b), q, dot[r][j]);
       }
     }
-    out[(r0 + r) * out_stride] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
+    const int64_t k0 = c * kChunk;
+    for (int j = 0; j < nc; ++j) {
+      const S* row_scales = scales + j * groups;
+      const float s_lo = scale_at(row_scales, k0 / group);
+      const float s_hi = k0 + 32 < words * 8 ? scale_at(row_scales, (k0 + 32) / group) : 0.0f;
+      const __m256 scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+      for (int r = 0; r < nr; ++r) {
+        const __m256 off = _mm256_loadu_ps(rows.offset.data() + ((r0 + r) * rows.chunks + c) * 8);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_sub_ps(dot[r][j], off), scale, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+#else
+  for (int j = 0; j < nc; ++j) {
+    const int32_t* row_codes = codes + j * words;
+    const S* row_scales = scales + j * groups;
+    for (int r = 0; r < nr; ++r) {
+      float acc[8] = {0};
+      for (int64_t c = 0; c < rows.chunks; ++c) {
+        const int64_t k0 = c * kChunk;
+        for (int w = 0; w < 8; ++w) {
+          const int64_t word = c * 8 + w;
+          const uint32_t bits = word < words ? static_cast<uint32_t>(row_codes[word]) : 0u;
+          const float s = word < words ? scale_at(row_scales, (k0 + 8 * w) / group) : 0.0f;
+          float dot = 0.0f;
+          for (int b = 0; b < 8; ++b) {
+            const float q = static_cast<float>((bits >> (4 * b)) & 0xF);
+            const float xv = rows.x[((r0 + r) * rows.chunks + c) * kChunk + 8 * b + w];
+            dot = b == 0 ? xv * q : std::fma(xv, q, dot);
+          }
+          acc[w] = std::fma(dot - rows.offset[((r0 + r) * rows.chunks + c) * 8 + w], s, acc[w]);
+        }
+      }
+      out[(r0 + r) * out_stride + j] =
+          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    }
   }
 #endif
+}
+
+// Weight rows col0 .. col0 + cols - 1 against x rows r0 .. r0 + NR - 1, as many weight rows at once
+// as the registers hold next to NR x rows.
+template <int NR, typename S>
+void int4_cols(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
+               int64_t groups, int64_t group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
+  constexpr int kCols = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+  int64_t col = col0;
+  for (; col + kCols <= col0 + cols; col += kCols) {
+    int4_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, group, out + col, out_stride);
+  }
+  for (; col < col0 + cols; ++col) {
+    int4_block<NR, 1>(rows, r0, codes + col * words, scales + col * groups, words, groups, group, out + col, out_stride);
+  }
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group, const char* op) {
@@ -222,22 +252,24 @@ void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const 
 #endif
 }
 
-// Splits the N outputs over threads once the work pays for the pool's wake-up; body<NR>(col, r0)
-// computes rows r0 .. r0 + NR - 1 of output col. Rows go in blocks of kRowBlock, each block against
-// every column of the thread, so a prefill chunk's x block stays in cache while the weight streams.
+// Splits the N outputs over threads once the work pays for the pool's wake-up; body<NR>(col0, cols,
+// r0) computes rows r0 .. r0 + NR - 1 of outputs col0 .. col0 + cols - 1 (cols <= kColBlock). Rows
+// go in blocks of kRowBlock, each block against every column of the thread, so a prefill chunk's x
+// block stays in cache while the weight streams.
 template <typename F>
 void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
   const int64_t grain = m * n * k >= kParallelWork ? std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, m * k)) : n;
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t block = 0; block < m; block += kRowBlock) {
       const int64_t block_end = std::min(m, block + kRowBlock);
-      for (int64_t col = n0; col < n1; ++col) {
+      for (int64_t col0 = n0; col0 < n1; col0 += kColBlock) {
+        const int64_t cols = std::min(kColBlock, n1 - col0);
         int64_t r0 = block;
-        for (; r0 + kRowsAtOnce <= block_end; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col, r0);
+        for (; r0 + kRowsAtOnce <= block_end; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col0, cols, r0);
         switch (block_end - r0) {
-          case 3: body(std::integral_constant<int, 3>{}, col, r0); break;
-          case 2: body(std::integral_constant<int, 2>{}, col, r0); break;
-          case 1: body(std::integral_constant<int, 1>{}, col, r0); break;
+          case 3: body(std::integral_constant<int, 3>{}, col0, cols, r0); break;
+          case 2: body(std::integral_constant<int, 2>{}, col0, cols, r0); break;
+          case 1: body(std::integral_constant<int, 1>{}, col0, cols, r0); break;
           default: break;
         }
       }
@@ -259,15 +291,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t groups = scales.size(1);
   if (scales.scalar_type() == at::kBFloat16) {
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
-      int4_row<decltype(rows_at_once)::value>(rows, r0, code_data + col * words, s + col * groups, words, group,
-                                               out_data + col, n);
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
+      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, group, out_data, n, col0, cols);
     });
   } else {
     const float* s = scales.data_ptr<float>();
-    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
-      int4_row<decltype(rows_at_once)::value>(rows, r0, code_data + col * words, s + col * groups, words, group,
-                                               out_data + col, n);
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
+      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, group, out_data, n, col0, cols);
     });
   }
   return out;
@@ -286,8 +316,10 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const float* s = scales.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const int64_t groups = scales.size(1);
-  for_outputs(m, n, k, [&](auto rows_at_once, int64_t col, int64_t r0) {
-    fp8_row<decltype(rows_at_once)::value>(x_data, k, r0, code_data + col * k, s + col * groups, group, out_data + col, n);
+  for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
+    for (int64_t col = col0; col < col0 + cols; ++col) {
+      fp8_row<decltype(rows_at_once)::value>(x_data, k, r0, code_data + col * k, s + col * groups, group, out_data + col, n);
+    }
   });
   return out;
 }
