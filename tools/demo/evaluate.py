@@ -135,8 +135,8 @@ def speculative_llm(target: Path, draft: Path, shape: dict[str, int], dtype: str
 
 
 def accept_length(target: Path, draft: Path, prompts: list[dict[str, Any]], shape: dict[str, int],
-                  dtype: str) -> dict[str, Any]:
-    llm = speculative_llm(target, draft, shape, dtype)
+                  dtype: str, **kwargs: Any) -> dict[str, Any]:
+    llm = speculative_llm(target, draft, shape, dtype, **kwargs)
     llm.generate(prompts, greedy())
     metrics = llm.spec_metrics()
     assert metrics is not None
@@ -149,10 +149,10 @@ def mean_accept_length(outputs: list) -> float:
 
 
 def batch_invariance(target: Path, draft: Path, prompts: list[dict[str, Any]], shape: dict[str, int],
-                     dtype: str) -> dict[str, Any]:
+                     dtype: str, **kwargs: Any) -> dict[str, Any]:
     """Mean accept length of ``prompts`` decoded as one batch and each alone (prefix cache off,
     so the runs alone share nothing), and whether every request's tokens are the same."""
-    llm = speculative_llm(target, draft, shape, dtype, enable_prefix_caching=False)
+    llm = speculative_llm(target, draft, shape, dtype, enable_prefix_caching=False, **kwargs)
     batched = llm.generate(prompts, greedy())
     alone = [llm.generate([p], greedy())[0] for p in prompts]
     return {
@@ -163,10 +163,13 @@ def batch_invariance(target: Path, draft: Path, prompts: list[dict[str, Any]], s
 
 
 def evaluate(target: Path, draft: Path, *, per_kind: int, num_prompts: int, dtype: str, tool_requests: int = 40,
-             log=print) -> dict[str, Any]:
-    report: dict[str, Any] = {"dtype": dtype}
+             quantization: str | None = None, log=print) -> dict[str, Any]:
+    """``quantization``: the target's routed experts quantized at load (``--quantization``); the
+    draft stays in ``dtype``."""
+    report: dict[str, Any] = {"dtype": dtype, "quantization": quantization}
+    engine_kwargs: dict[str, Any] = {"quantization": quantization} if quantization else {}
     began = time.monotonic()
-    plain = LLM(str(target), dtype=dtype, show_progress=False)
+    plain = LLM(str(target), dtype=dtype, show_progress=False, **engine_kwargs)
     report["scene_accuracy"] = scene_accuracy(plain, held_out_scene_items(per_kind))
     report["scene_questions_per_kind"] = per_kind
     log(f"scene accuracy {report['scene_accuracy']} ({time.monotonic() - began:.0f}s)")
@@ -185,13 +188,13 @@ def evaluate(target: Path, draft: Path, *, per_kind: int, num_prompts: int, dtyp
                    "tools": held_out_prompts(num_prompts, kinds=("tool_call", "tool_answer"), thinking=None)}
     for set_name, prompt_set in prompt_sets.items():
         for name, shape in (("chain", CHAIN), ("tree", TREE)):
-            metrics = accept_length(target, draft, prompt_set, shape, dtype)
+            metrics = accept_length(target, draft, prompt_set, shape, dtype, **engine_kwargs)
             report[f"{set_name}_{name}_{shape['speculative_num_steps']}_{shape['speculative_eagle_topk']}_"
                    f"{shape['speculative_num_draft_tokens']}"] = metrics
             log(f"{set_name} prompts, {name} {shape}: accept length {metrics['accept_length']:.3f} "
                 f"({time.monotonic() - began:.0f}s)")
     multimodal = [p for p in prompts if "images" in p][:8]
-    report["batch_invariance_chain"] = batch_invariance(target, draft, multimodal, CHAIN, dtype)
+    report["batch_invariance_chain"] = batch_invariance(target, draft, multimodal, CHAIN, dtype, **engine_kwargs)
     log(f"batch invariance {report['batch_invariance_chain']} ({time.monotonic() - began:.0f}s)")
     return report
 
@@ -205,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tool-requests", type=int, default=40, help="held-out count_shapes requests")
     parser.add_argument("--skip-accept", action="store_true", help="accuracy only")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", choices=("int4",), default=None,
+                        help="quantize the target's routed experts at load, as `eaglet serve --quantization`")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     report = evaluate(args.target, args.draft if not args.skip_accept else Path("/nonexistent"), per_kind=args.per_kind,
-                      num_prompts=args.prompts, dtype=args.dtype, tool_requests=args.tool_requests)
+                      num_prompts=args.prompts, dtype=args.dtype, tool_requests=args.tool_requests,
+                      quantization=args.quantization)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
