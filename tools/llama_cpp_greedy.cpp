@@ -62,6 +62,10 @@ int main(int argc, char ** argv) {
         ctx_params.n_threads_batch = n_threads;
     }
     llama_context * ctx = llama_init_from_model(model, ctx_params);
+    if (ctx == nullptr) {
+        fprintf(stderr, "error: unable to create a context for %s\n", model_path.c_str());
+        return 1;
+    }
     llama_sampler * greedy = llama_sampler_chain_init(llama_sampler_chain_default_params());
     llama_sampler_chain_add(greedy, llama_sampler_init_greedy());
     llama_batch_ext * batch = llama_batch_ext_init(ctx);

@@ -71,7 +71,7 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
     full = size != "tiny"
     if name.startswith("deepseek"):
         target = workdir / f"deepseek-{size}-alpha{alpha}"
-        if not (target / "config.json").is_file():
+        if not (target / "tokenizer.json").is_file():
             config = {"full": DEEPSEEK_FULL, "large": DEEPSEEK_LARGE}.get(size)
             # The tokenizer is for llama.cpp's GGUF converter; every engine is fed token ids.
             write_deepseek_v3_checkpoint(target, config, seed=CHECKPOINT_SEED, num_shards=1, dtype=torch.float32,

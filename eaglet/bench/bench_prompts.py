@@ -12,8 +12,8 @@ from eaglet.testing.images import make_image
 PROMPT_SEED = 4321
 
 
-def random_prompt_ids(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(PROMPT_SEED)
+def random_prompt_ids(batch: int, prompt_len: int, vocab: int, seed: int = PROMPT_SEED) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     # ids 0/1 are bos/eos in the fixture vocabulary; keep prompts to ordinary tokens
     ids = torch.randint(2, vocab, (batch, prompt_len), generator=g)
     return ids.tolist()

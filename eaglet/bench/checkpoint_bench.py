@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 
 import torch
 
 from eaglet import LLM
-from eaglet.bench.bench_prompts import make_prompts
+from eaglet.bench.bench_prompts import make_prompts, random_prompt_ids
 from eaglet.bench.eaglet_runs import load_eaglet, prefill_tokens_per_s, run_eaglet
 from eaglet.bench.llama_cpp_runs import MATCHING_TYPE, llama_cpp_rows
 from eaglet.bench.results_table import row_line
 from eaglet.bench.roofline import plain_step_floor
-from eaglet.bench.row_summary import add_ratios, summarize
+from eaglet.bench.row_summary import add_ratios, prefill_row, summarize
 from eaglet.bench.spec_shapes import parse_ints, shapes_record, spec_shapes
 from eaglet.bench.transformers_peer import load_transformers, run_transformers_requests
 from eaglet.bench.vllm_peer import run_vllm, vllm_python
@@ -36,11 +35,15 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
     text_ids = ckpt["echo"] and not ckpt["images"]
     hf_batches = parse_ints(args.hf_batch_sizes) if text_ids else []
     rows: list[dict] = []
+    contenders: dict[str, LLM | torch.nn.Module] = {}
     notes: list[str] = []
     vllm_plain_results: list[dict] = []
     plain_tokens: dict[int, list] = {}
     if not text_ids:
         notes.append("transformers and vLLM: not run on this checkpoint (image prompts / text prompts of the demo)")
+    if hf_batches and ckpt.get("one_engine_at_a_time"):
+        hf_batches = []
+        notes.append("transformers: not run on a real-size checkpoint (it would hold a second, decompressed copy)")
     for group in groups:
         engines = {mode: load_eaglet(ckpt, mode, args.spec_adaptive, shapes.get(mode)) for mode in group}
         if "plain" in group:
@@ -56,7 +59,7 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
         freeze_startup_heap()
         for batch in sorted(set(batch_sizes + (hf_batches if hf is not None else []))):
             prompts = prompts_all[:batch]
-            contenders: dict[str, LLM | torch.nn.Module] = {}
+            contenders = {}
             if batch in batch_sizes:
                 contenders.update({f"eaglet/{m}": llm for m, llm in engines.items()})
             if hf is not None and batch in hf_batches:
@@ -97,8 +100,12 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
                 rows.append(row)
                 print(row_line(name, row), flush=True)
         if args.prefill_len and text_ids and "plain" in group:
-            rows.append(eaglet_prefill_row(engines["plain"], vocab, args))
-            print(row_line(name, rows[-1]), flush=True)
+            if args.prefill_len < engines["plain"].engine.context_len:
+                rows.append(eaglet_prefill_row(engines["plain"], vocab, args))
+                print(row_line(name, rows[-1]), flush=True)
+            else:
+                notes.append(f"prefill rows: --prefill-len {args.prefill_len} does not fit the context "
+                             f"({engines['plain'].engine.context_len} tokens)")
         del engines, hf, contenders
         gc.unfreeze()
         gc.collect()
@@ -141,10 +148,6 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
 def eaglet_prefill_row(llm: LLM, vocab: int, args: argparse.Namespace) -> dict:
     """Prompt tokens/s of plain eaglet on one ``--prefill-len`` prompt, a fresh one per run (the
     prefix cache never hits); the first run is a warm-up."""
-    g = torch.Generator().manual_seed(PREFILL_SEED)
-    prompts = torch.randint(2, vocab, (args.repeats + 1, args.prefill_len), generator=g).tolist()
+    prompts = random_prompt_ids(args.repeats + 1, args.prefill_len, vocab, seed=PREFILL_SEED)
     runs = [prefill_tokens_per_s(llm, p) for p in prompts][1:]
-    tps = statistics.median(runs)
-    return {"engine": "eaglet", "mode": "prefill", "batch": 1, "repeats": len(runs), "tokens_per_s": tps,
-            "ttft_ms": 1e3 * args.prefill_len / tps, "itl_ms": None, "tokens_per_s_runs": runs,
-            "prompt_len": args.prefill_len}
+    return prefill_row("eaglet", "prefill", args.prefill_len, runs)

@@ -5,39 +5,46 @@ transformers does in float32 (so both engines do the same work)."""
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
+from pathlib import Path
 
 import torch
 
 from eaglet.bench.llama_cpp_peer import (
+    GGUF_TYPES,
     LLAMA_CPP_SETUP_HINT,
     LlamaCppError,
     decode_rows,
     gguf_file,
+    gguf_path,
     greedy_ids,
     llama_cpp_source,
     llama_cpp_tool,
-    prefill_tokens_per_s,
+    prefill_runs,
 )
 from eaglet.bench.results_table import row_line
+from eaglet.bench.row_summary import prefill_row
 from eaglet.bench.spec_shapes import parse_ints
 from eaglet.bench.transformers_peer import load_transformers
 
-# The GGUF type doing the same arithmetic on the same stored weights as eaglet: the ratio the table shows.
-MATCHING_TYPE = {"float32": "f32", "bfloat16": "bf16", "int4": "q4_0"}
+# The GGUF type doing the same arithmetic on the same stored weights as eaglet: the ratio the table
+# shows. Q4_0 is int4 in groups of 32 with an fp16 scale: Kimi-K2.5's int4 up to the scale's rounding.
+MATCHING_TYPE = {"float32": "f32", "bfloat16": "bf16", "int4": "q4_0-experts"}
+AUTO_TYPES = {"float32": ["f32"], "bfloat16": ["bf16", "q4_0"], "int4": ["q4_0-experts", "q4_0"]}
 CHECK_TOKENS = 16
 # transformers needs the whole model in float32 for the token check.
 CHECK_MAX_PARAMS = 2_000_000_000
 
 
-def gguf_types(args: argparse.Namespace, weight_format: str) -> list[str]:
-    if args.llama_cpp_types != "auto":
-        return [t for t in args.llama_cpp_types.split(",") if t]
-    return {"float32": ["f32"], "bfloat16": ["bf16", "q4_0"], "int4": ["q4_0"]}[weight_format]
+def gguf_types(spec: str, weight_format: str) -> list[str]:
+    """``--llama-cpp-types`` for a checkpoint of ``weight_format``; unknown names stop the run."""
+    types = AUTO_TYPES[weight_format] if spec == "auto" else [t for t in spec.split(",") if t]
+    unknown = [t for t in types if t not in GGUF_TYPES]
+    if unknown:
+        raise SystemExit(f"--llama-cpp-types: unknown {', '.join(unknown)}; choose from auto, {', '.join(GGUF_TYPES)}")
+    return types
 
 
-def check_tokens(name: str, ckpt: dict, root, prompt: list[int], params: int, threads: int) -> dict:
+def check_tokens(name: str, ckpt: dict, root: Path, prompt: list[int], params: int, threads: int) -> dict:
     """Greedy tokens of llama.cpp's f32 conversion against transformers in float32, first prompt."""
     if params > CHECK_MAX_PARAMS:
         return {"skipped": f"{params / 1e9:.1f}B parameters: too large for transformers in float32 here"}
@@ -61,13 +68,16 @@ def llama_cpp_rows(name: str, ckpt: dict, prompts: list[dict], args: argparse.Na
         notes.append(f"llama.cpp skipped: not built under {root}; build it with: {LLAMA_CPP_SETUP_HINT}")
         print(f"[{name}] {notes[-1]}", flush=True)
         return [], None
-    threads = args.threads or os.cpu_count() or 1
+    threads = torch.get_num_threads()  # what eaglet ran with
     batch_sizes = parse_ints(args.llama_cpp_batch_sizes)
+    types = gguf_types(args.llama_cpp_types, weight_format)
+    bf16 = gguf_path(ckpt["target"], "bf16")
+    bf16_kept = bf16.is_file() or "bf16" in types
     rows: list[dict] = []
     check = None
     try:
         check = check_tokens(name, ckpt, root, prompts[0]["prompt_token_ids"], params, threads)
-        for gguf_type in gguf_types(args, weight_format):
+        for gguf_type in types:
             gguf = gguf_file(root, ckpt["target"], gguf_type)
             print(f"[{name}] llama.cpp ({llama_cpp_source(root)}) on {gguf.name}", flush=True)
             for row in decode_rows(root, gguf, gguf_type, batch_sizes, args.prompt_len, args.new_tokens,
@@ -75,13 +85,13 @@ def llama_cpp_rows(name: str, ckpt: dict, prompts: list[dict], args: argparse.Na
                 rows.append(row)
                 print(row_line(name, row), flush=True)
             if args.prefill_len:
-                runs = prefill_tokens_per_s(root, gguf, args.prefill_len, args.repeats, threads, args.llama_cpp_timeout)
-                tps = statistics.median(runs)
-                rows.append({"engine": "llama.cpp", "mode": f"prefill-{gguf_type}", "batch": 1, "repeats": len(runs),
-                             "tokens_per_s": tps, "ttft_ms": 1e3 * args.prefill_len / tps, "itl_ms": None,
-                             "tokens_per_s_runs": runs, "prompt_len": args.prefill_len, "gguf": gguf.name})
+                runs = prefill_runs(root, gguf, args.prefill_len, args.repeats, threads, args.llama_cpp_timeout)
+                rows.append(prefill_row("llama.cpp", f"prefill-{gguf_type}", args.prefill_len, runs, gguf=gguf.name))
                 print(row_line(name, rows[-1]), flush=True)
-    except LlamaCppError as exc:
-        notes.append(f"llama.cpp stopped: {exc}")
+    except Exception as exc:  # a peer that fails must not lose eaglet's figures: the run goes on
+        notes.append(f"llama.cpp stopped: {type(exc).__name__}: {exc}")
         print(f"[{name}] {notes[-1]}", flush=True)
+    finally:
+        if not bf16_kept:
+            bf16.unlink(missing_ok=True)
     return rows, check

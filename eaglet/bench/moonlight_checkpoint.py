@@ -27,11 +27,11 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.testing.checkpoints import (
-    _SHARD_NAME,
+    SHARD_NAME,
     INDEX_NAME,
-    _published_text_config,
-    _special_tokens_for,
-    _write_tokenizer_files,
+    published_text_config,
+    special_tokens_for,
+    write_tokenizer_files,
     tiny_text_config,
 )
 from eaglet.testing.echo_checkpoints import echo_draft
@@ -230,14 +230,14 @@ def moonlight_config(num_hidden_layers: int | None = None, small: dict | None = 
             raise ValueError(f"{key}={text[key]} is not a multiple of the int4 group size {GROUP_SIZE}")
     specials = _special_tokens(text["vocab_size"])
     text["bos_token_id"], text["eos_token_id"] = specials["bos"][1], specials["eos"][1]
-    config = _published_text_config(text, model_type="deepseek_v3", dtype=torch.bfloat16, mtp_layers=0)
+    config = published_text_config(text, model_type="deepseek_v3", dtype=torch.bfloat16, mtp_layers=0)
     config["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
     return config
 
 
 def _special_tokens(vocab_size: int) -> dict[str, tuple[str, int]]:
     # Moonlight ships Kimi's tokenizer ([BOS], [EOS], <|im_*|>), not DeepSeek's special tokens.
-    return _special_tokens_for("kimi_k2", vocab_size)
+    return special_tokens_for("kimi_k2", vocab_size)
 
 
 def expected_tensor_bytes(config: dict) -> int:
@@ -255,7 +255,7 @@ def _write_target(path: Path, config: dict, alpha: float, seed: int) -> None:
     total = 0
     for k, shard in enumerate(shards, start=1):
         start = time.perf_counter()
-        name = _SHARD_NAME.format(i=k, n=len(shards))
+        name = SHARD_NAME.format(i=k, n=len(shards))
         tensors = {}
         for unit in shard:
             g = torch.Generator().manual_seed(unit.seed)
@@ -270,7 +270,7 @@ def _write_target(path: Path, config: dict, alpha: float, seed: int) -> None:
               f"in {time.perf_counter() - start:.1f} s", flush=True)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    _write_tokenizer_files(path, config["vocab_size"], _special_tokens(config["vocab_size"]), chat_style="kimi")
+    write_tokenizer_files(path, config["vocab_size"], _special_tokens(config["vocab_size"]), chat_style="kimi")
 
 
 def _draft_sizing(config: dict) -> dict:

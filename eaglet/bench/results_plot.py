@@ -18,6 +18,8 @@ def plot(record: dict, out: Path) -> None:
     for (ax_rate, ax_acc), ck in zip(axes, checkpoints):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in ck["rows"]:
+            if r["mode"].startswith("prefill"):  # prompt tokens/s, not decode
+                continue
             series.setdefault(f"{r['engine']} {r['mode']}", []).append((r["batch"], r["tokens_per_s"]))
         for label, points in sorted(series.items()):
             points.sort()

@@ -10,6 +10,14 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def prefill_row(engine: str, mode: str, prompt_len: int, runs: list[float], **extra: object) -> dict:
+    """A prefill row: prompt tokens/s of one ``prompt_len`` prompt per run, at batch 1."""
+    tps = statistics.median(runs)
+    return {"engine": engine, "mode": mode, "batch": 1, "repeats": len(runs), "tokens_per_s": tps,
+            "ttft_ms": 1e3 * prompt_len / tps, "itl_ms": None, "tokens_per_s_runs": runs, "prompt_len": prompt_len,
+            **extra}
+
+
 def summarize(engine: str, mode: str, batch: int, runs: list[dict]) -> dict:
     row = {"engine": engine, "mode": mode, "batch": batch, "repeats": len(runs),
            "tokens_per_s": _median(runs, "decode_tok_s"), "ttft_ms": _median(runs, "ttft_ms"),
@@ -35,6 +43,11 @@ def add_ratios(rows: list[dict], llama_cpp_type: str | None = None) -> None:
     ``over_llama_cpp`` over ``llama_cpp_type``, the type with eaglet's weight format."""
     by_key = {(r["engine"], r["mode"], r["batch"]): r for r in rows}
     for row in rows:
+        prefill = row["mode"] == "prefill"
+        if row["engine"] == "eaglet":
+            _add_llama_cpp_ratios(row, rows, prefill, llama_cpp_type)
+        if prefill:
+            continue
         plain = by_key.get((row["engine"], "plain", row["batch"]))
         if plain is not None and row["engine"] in ("eaglet", "vllm"):
             row[f"over_{row['engine']}_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
@@ -46,11 +59,12 @@ def add_ratios(rows: list[dict], llama_cpp_type: str | None = None) -> None:
             if other is not None:
                 row[f"over_{peer}"] = row["tokens_per_s"] / other["tokens_per_s"]
                 row[f"over_{peer}_mode"] = other["mode"]
-        prefill = row["mode"] == "prefill"
-        by_type = {r["mode"].removeprefix("prefill-"): row["tokens_per_s"] / r["tokens_per_s"] for r in rows
-                   if r["engine"] == "llama.cpp" and r["batch"] == row["batch"]
-                   and r["mode"].startswith("prefill-") == prefill}
-        if by_type:
-            row["over_llama_cpp_by_type"] = by_type
-            if llama_cpp_type in by_type:
-                row["over_llama_cpp"] = by_type[llama_cpp_type]
+
+
+def _add_llama_cpp_ratios(row: dict, rows: list[dict], prefill: bool, llama_cpp_type: str | None) -> None:
+    by_type = {r["mode"].removeprefix("prefill-"): row["tokens_per_s"] / r["tokens_per_s"] for r in rows
+               if r["engine"] == "llama.cpp" and r["batch"] == row["batch"] and r["mode"].startswith("prefill-") == prefill}
+    if by_type:
+        row["over_llama_cpp_by_type"] = by_type
+        if llama_cpp_type in by_type:
+            row["over_llama_cpp"] = by_type[llama_cpp_type]

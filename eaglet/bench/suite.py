@@ -52,6 +52,7 @@ import torch
 
 from eaglet.bench.bench_checkpoints import build_checkpoint
 from eaglet.bench.checkpoint_bench import bench_checkpoint
+from eaglet.bench.llama_cpp_runs import gguf_types
 from eaglet.bench.machine import machine_info
 from eaglet.bench.machine_rates import measure_bandwidth
 from eaglet.bench.results_files import record_text, write_record
@@ -78,6 +79,8 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.max_repeats < 1 or args.min_seconds < 0:
         raise SystemExit("--repeats and --max-repeats must be >= 1 and --min-seconds >= 0")
     spec_shapes(args)  # a malformed shape stops the run before anything is built
+    if args.llama_cpp_types != "auto":
+        gguf_types(args.llama_cpp_types, "bfloat16")  # so does an unknown GGUF type
     modes = [m for m in args.modes.split(",") if m]
     if "plain" not in modes or any(m not in ("plain", *SPEC_SHAPES) for m in modes):
         raise SystemExit(f"--modes must include plain and only name plain, {', '.join(SPEC_SHAPES)}")

@@ -36,10 +36,11 @@ def vllm_env(venv: Path) -> dict[str, str]:
 
 def vllm_failure(stderr: str) -> str:
     """The root cause of a failed vLLM run: the first exception line of its stderr (a worker's,
-    which the engine's own "initialization failed" only points to), else the stderr's last lines."""
+    which the engine's and the worker process's "initialization failed" only point to), else the
+    stderr's last lines."""
     lines = stderr.strip().splitlines()
     causes = [line for line in lines if re.search(r"\b[A-Za-z]*(Error|Exception): ", line)
-              and "Engine core initialization failed" not in line]
+              and "initialization failed" not in line]  # the engine's and WorkerProc's pointers to the cause
     if causes:
         return re.sub(r"^.*?\b([A-Za-z]*(Error|Exception): )", r"\1", causes[0]).strip()
     return " | ".join(lines[-5:])

@@ -90,6 +90,10 @@ __all__ = [
     "patchify_image",
     "DEEPSEEK_SPECIAL_TOKENS",
     "KIMI_SPECIAL_TOKENS",
+    "SHARD_NAME",
+    "published_text_config",
+    "special_tokens_for",
+    "write_tokenizer_files",
 ]
 
 PathLike = str | os.PathLike
@@ -189,7 +193,7 @@ def tiny_vision_config(**overrides) -> dict:
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
-def _published_text_config(tc: dict, *, model_type: str, dtype: torch.dtype, mtp_layers: int) -> dict:
+def published_text_config(tc: dict, *, model_type: str, dtype: torch.dtype, mtp_layers: int) -> dict:
     """The text config as DeepSeek-V3's / Kimi-K2's config.json spells it."""
     rope_scaling = tc.get("rope_scaling")
     rope_theta = tc.get("rope_theta", 10000.0)
@@ -399,12 +403,12 @@ def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
 # files
 # --------------------------------------------------------------------------------------------
 
-_SHARD_NAME = "model-{i:05d}-of-{n:06d}.safetensors"  # as DeepSeek-V3 / Kimi-K2.5 name them
+SHARD_NAME = "model-{i:05d}-of-{n:06d}.safetensors"  # as DeepSeek-V3 / Kimi-K2.5 name them
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def _write_shards(path: pathlib.Path, tensors: dict[str, torch.Tensor], num_shards: int,
-                  shard_name: str = _SHARD_NAME) -> None:
+                  shard_name: str = SHARD_NAME) -> None:
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
     if num_shards == 1:
@@ -477,15 +481,15 @@ def write_deepseek_v3_checkpoint(
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tc = tiny_text_config(**(text_overrides or {}))
-    special = _special_tokens_for(model_type, tc["vocab_size"])
+    special = special_tokens_for(model_type, tc["vocab_size"])
     if with_tokenizer:
         tc["bos_token_id"], tc["eos_token_id"] = special["bos"][1], special["eos"][1]
-    cfg = _published_text_config(tc, model_type=model_type, dtype=dtype, mtp_layers=mtp_layers)
+    cfg = published_text_config(tc, model_type=model_type, dtype=dtype, mtp_layers=mtp_layers)
     _write_json(path / "config.json", cfg)
     tensors = _cast(_text_tensors(_Rand(seed), tc, mtp_layers=mtp_layers), dtype)
     _write_shards(path, tensors, num_shards)
     if with_tokenizer:
-        _write_tokenizer_files(path, tc["vocab_size"], special,
+        write_tokenizer_files(path, tc["vocab_size"], special,
                                chat_style="deepseek" if model_type == "deepseek_v3" else "kimi")
     return path
 
@@ -517,7 +521,7 @@ def write_kimi_k25_checkpoint(
     vc = tiny_vision_config(**(vision_overrides or {}))
     if not 0 <= image_token_id < tc["vocab_size"]:
         raise ValueError("image_token_id must be inside the vocabulary")
-    special = _special_tokens_for("kimi_k25", tc["vocab_size"], image_token_id=image_token_id)
+    special = special_tokens_for("kimi_k25", tc["vocab_size"], image_token_id=image_token_id)
     ids = {name: tid for name, (_, tid) in special.items()}
     if with_tokenizer:
         tc["bos_token_id"], tc["eos_token_id"] = ids["bos"], ids["eos"]
@@ -532,12 +536,12 @@ def write_kimi_k25_checkpoint(
     _write_shards(path, _cast(tensors, dtype), num_shards)
     _write_json(path / "preprocessor_config.json", _preprocessor_config(vc, max_patches))
     if with_tokenizer:
-        _write_tokenizer_files(path, tc["vocab_size"], special, chat_style="kimi")
+        write_tokenizer_files(path, tc["vocab_size"], special, chat_style="kimi")
     return path
 
 
 def _published_kimi_config(tc: dict, vc: dict, *, dtype: torch.dtype, ids: dict) -> dict:
-    text = _published_text_config(tc, model_type="kimi_k2", dtype=dtype, mtp_layers=0)
+    text = published_text_config(tc, model_type="kimi_k2", dtype=dtype, mtp_layers=0)
     vision = {
         "init_pos_emb_height": vc["pos_emb_height"],
         "init_pos_emb_time": vc["pos_emb_time"],
@@ -979,7 +983,7 @@ def patchify_image(pixels: torch.Tensor, patch_size: int) -> tuple[torch.Tensor,
 # tokenizer
 # --------------------------------------------------------------------------------------------
 
-# name -> token string; ids are assigned by _special_tokens_for
+# name -> token string; ids are assigned by special_tokens_for
 DEEPSEEK_SPECIAL_TOKENS = {
     "bos": "<｜begin▁of▁sentence｜>",
     "eos": "<｜end▁of▁sentence｜>",
@@ -1002,7 +1006,7 @@ KIMI_SPECIAL_TOKENS = {
 }
 
 
-def _special_tokens_for(model_type: str, vocab_size: int, *, image_token_id: int | None = None
+def special_tokens_for(model_type: str, vocab_size: int, *, image_token_id: int | None = None
                         ) -> dict[str, tuple[str, int]]:
     """Special tokens and their ids for the tiny vocabularies: bos 0, eos 1, the rest from 2
     upward; for Kimi-K2.5 ``<|media_pad|>`` sits at ``image_token_id`` and ``[PAD]`` at the top."""
@@ -1156,12 +1160,12 @@ def write_tiny_tokenizer(
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if special_tokens is None:
-        special_tokens = _special_tokens_for("kimi_k25" if chat_style == "kimi" else "deepseek_v3", vocab_size)
-    _write_tokenizer_files(path, vocab_size, special_tokens, chat_style=chat_style,
+        special_tokens = special_tokens_for("kimi_k25" if chat_style == "kimi" else "deepseek_v3", vocab_size)
+    write_tokenizer_files(path, vocab_size, special_tokens, chat_style=chat_style,
                            extra=extra_special_tokens)
 
 
-def _write_tokenizer_files(path: pathlib.Path, vocab_size: int, special: dict[str, tuple[str, int]],
+def write_tokenizer_files(path: pathlib.Path, vocab_size: int, special: dict[str, tuple[str, int]],
                            *, chat_style: str, extra: dict | None = None) -> None:
     by_string = {s: tid for s, tid in special.values()}
     for s, tid in (extra or {}).items():
