@@ -27,7 +27,12 @@ QUANTIZE_TYPES = {
     "q4_0": ["Q4_0"],
     "q4_k": ["Q4_K_M"],
     # Routed experts Q4_0, everything else bf16: what an int4 compressed-tensors checkpoint stores.
-    "q4_0-experts": ["--tensor-type", "ffn_(gate|up|down)_exps=q4_0", "BF16"],
+    # llama-quantize applies per-tensor types only under a quantized base type, so the base is Q4_0
+    # (--pure: no per-layer mixture) and attention, shared experts, dense MLPs and the two
+    # vocabulary matrices are named back to bf16.
+    "q4_0-experts": ["--pure", "--token-embedding-type", "bf16", "--output-tensor-type", "bf16",
+                     "--tensor-type", "attn_=bf16", "--tensor-type", "shexp=bf16",
+                     "--tensor-type", r"ffn_(gate|up|down)\.weight=bf16", "Q4_0"],
 }
 GGUF_TYPES = CONVERTER_TYPES + tuple(QUANTIZE_TYPES)
 # Weights read into memory, not mapped: every timed run then reads what eaglet's warmed-up engine
