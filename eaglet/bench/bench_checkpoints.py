@@ -57,9 +57,14 @@ KIMI_TEXT = dict(
 KIMI_IMAGE_TOKEN = IMAGE_TOKEN
 
 
-def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full") -> dict:
+ECHO_ALPHA = 1.0
+MOONLIGHT_ALPHA = 0.05
+
+
+def build_checkpoint(name: str, workdir: Path, alpha: float | None, size: str = "full") -> dict:
     """{"target", "draft", "dtype", "images", "echo"} for a checkpoint name; ``size="tiny"``: test-sized
-    models; ``size="large"``: the ~0.55B DeepSeek-V3 (Kimi as "full")."""
+    models; ``size="large"``: the ~0.55B DeepSeek-V3 (Kimi as "full"); ``alpha`` None: the
+    checkpoint's own default dial."""
     if name == "demo":
         from eaglet.demo_model import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
 
@@ -67,7 +72,9 @@ def build_checkpoint(name: str, workdir: Path, alpha: float, size: str = "full")
     if name == "moonlight-int4":
         from eaglet.bench.moonlight_checkpoint import moonlight_int4_checkpoint
 
-        return {**moonlight_int4_checkpoint(alpha=alpha), "weight_format": "int4", "one_engine_at_a_time": True}
+        return {**moonlight_int4_checkpoint(alpha=MOONLIGHT_ALPHA if alpha is None else alpha),
+                "weight_format": "int4", "one_engine_at_a_time": True}
+    alpha = ECHO_ALPHA if alpha is None else alpha
     full = size != "tiny"
     if name.startswith("deepseek"):
         target = workdir / f"deepseek-{size}-alpha{alpha}"

@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=("full", "large", "tiny"), default="full",
                         help="full: the ~72M-parameter DeepSeek-V3 / ~25M Kimi text models; large: a ~0.55B DeepSeek-V3 "
                         "whose decode step is bound by weight bandwidth; tiny: test-sized, for smoke runs")
-    parser.add_argument("--alpha", type=float, default=1.0, help="echo dial of the random targets")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="echo dial of the random targets (default 1.0; 0.05 for moonlight-int4, where it "
+                             "accepts every drafted token)")
     parser.add_argument("--chain-shape", default=None,
                         help="the chain's num_steps,eagle_topk,num_draft_tokens (default 3,1,4; vLLM drafts num_steps)")
     parser.add_argument("--tree-shape", default=None, help="the tree's num_steps,eagle_topk,num_draft_tokens (default 4,2,8)")
