@@ -24,7 +24,7 @@ from eaglet.bench.llama_cpp_peer import (
 from eaglet.bench.results_table import row_line
 from eaglet.bench.row_summary import prefill_row
 from eaglet.bench.spec_shapes import parse_ints
-from eaglet.bench.transformers_peer import load_transformers
+from eaglet.bench.transformers_peer import load_transformers, run_transformers
 
 # The GGUF type doing the same arithmetic on the same stored weights as eaglet: the ratio the table
 # shows. Q4_0 is int4 in groups of 32 with an fp16 scale: Kimi-K2.5's int4 up to the scale's rounding.
@@ -49,12 +49,7 @@ def check_tokens(name: str, ckpt: dict, root: Path, prompt: list[int], params: i
     if params > CHECK_MAX_PARAMS:
         return {"skipped": f"{params / 1e9:.1f}B parameters: too large for transformers in float32 here"}
     ours = greedy_ids(root, gguf_file(root, ckpt["target"], "f32"), prompt, CHECK_TOKENS, threads)
-    model = load_transformers(ckpt["target"], torch.float32)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=CHECK_TOKENS, min_new_tokens=CHECK_TOKENS,
-                             eos_token_id=None, pad_token_id=0)
-    theirs = out[0, len(prompt):].tolist()
+    theirs = run_transformers(load_transformers(ckpt["target"], torch.float32), [prompt], CHECK_TOKENS)["tokens"][0]
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"[{name}] llama.cpp f32 greedy tokens vs transformers float32: {same}/{CHECK_TOKENS} equal", flush=True)
     return {"same_tokens": ours == theirs, "equal_positions": same, "tokens": CHECK_TOKENS}

@@ -35,6 +35,7 @@ from eaglet.testing.checkpoints import (
     tiny_text_config,
 )
 from eaglet.testing.echo_checkpoints import echo_draft
+from eaglet.testing.quantized_checkpoints import KIMI_IGNORE
 
 # Moonlight-16B-A3B's config.json (model_type deepseek_v3, DeepseekV3ForCausalLM, bfloat16).
 MOONLIGHT_16B_A3B = dict(
@@ -60,7 +61,7 @@ QUANTIZATION_CONFIG = {
     },
     "quant_method": "compressed-tensors", "kv_cache_scheme": None, "format": "pack-quantized",
     "quantization_status": "compressed", "global_compression_ratio": None,
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    "ignore": KIMI_IGNORE,
     "moe_sparsity_config": None,
 }
 # Mean square of a stored int4 value: codes uniform over [-8, 7] (every nibble of a random word).
