@@ -296,3 +296,15 @@ def test_llama_cpp_runs_beside_eaglet_on_the_same_weights(tmp_path):
         prefill["tokens_per_s"] / rows["llama.cpp", "prefill-f32", 1]["tokens_per_s"])
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.gguf")) == [
         "deepseek-full-alpha1.0.f32.gguf", "deepseek-full-alpha1.0.q8_0.gguf"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--prefill-len", "-1"), "--prefill-len must be >= 0"),
+    (("--llama-cpp-batch-sizes", "1,x"), "--llama-cpp-batch-sizes: a comma list of positive integers"),
+    (("--llama-cpp-batch-sizes", "0"), "--llama-cpp-batch-sizes: a comma list of positive integers"),
+    (("--llama-cpp-types", "q3_x"), "--llama-cpp-types: unknown q3_x"),
+])
+def test_malformed_llama_cpp_and_prefill_flags_stop_the_run_before_anything_is_built(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        run_bench(tmp_path, "--modes", "plain", *flags)
+    assert not (tmp_path / "ckpt").exists()

@@ -60,7 +60,7 @@ from eaglet.bench.results_history import history_table
 from eaglet.bench.results_plot import plot
 from eaglet.bench.results_table import print_table
 from eaglet.bench.settings import CHECKPOINTS
-from eaglet.bench.spec_shapes import SPEC_SHAPES, shapes_record, spec_shapes
+from eaglet.bench.spec_shapes import SPEC_SHAPES, parse_ints, shapes_record, spec_shapes
 from eaglet.bench.vllm_peer import VLLM_INSTALL_HINT, vllm_python
 from eaglet.demo_model import demo_model_available
 
@@ -79,6 +79,13 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.max_repeats < 1 or args.min_seconds < 0:
         raise SystemExit("--repeats and --max-repeats must be >= 1 and --min-seconds >= 0")
     spec_shapes(args)  # a malformed shape stops the run before anything is built
+    if args.prefill_len < 0:
+        raise SystemExit("--prefill-len must be >= 0 (0 skips the prefill rows)")
+    try:
+        if any(b < 1 for b in parse_ints(args.llama_cpp_batch_sizes)):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--llama-cpp-batch-sizes: a comma list of positive integers, not {args.llama_cpp_batch_sizes!r}") from None
     if args.llama_cpp_types != "auto":
         gguf_types(args.llama_cpp_types, "bfloat16")  # so does an unknown GGUF type
     modes = [m for m in args.modes.split(",") if m]
