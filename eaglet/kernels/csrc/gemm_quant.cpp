@@ -9,24 +9,15 @@
 // out [M, N] float32 = x [M, K] (float32 or bfloat16) times the weight's transpose. Each output is
 // one product chain in k order with 8 float32 partial sums and a fixed final reduction, the same
 // whatever M is: a row's result does not depend on its batch. Threads split the N outputs only.
-#include "ops.h"
+#include "gemm_quant.h"
 
 #include <cmath>
-#include <type_traits>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define EAGLET_QUANT_AVX2 1
-#endif
 
 namespace eaglet {
 
 namespace {
 
-constexpr int64_t kChunk = 64;  // int4: k values per step (8 words, one per lane)
-constexpr int kRowsAtOnce = 4;  // x rows sharing each unpacked weight chunk
-constexpr int64_t kColBlock = 4;  // weight rows a body call gets (the int4 kernel runs up to 4 at once)
-constexpr int64_t kRowBlock = 64;  // x rows against which a thread's columns run before the next rows (a multiple of 4)
+using namespace quant;
 
 // x rows as float32 in the int4 kernel's order: within each 64-value chunk, position 8 * j + w holds
 // x[64 c + 8 w + j], so shifting 8 loaded words by 4 j gives, in lane w, the weight that multiplies
@@ -59,70 +50,61 @@ struct Int4Rows {
   }
 };
 
-template <typename S>
-inline float scale_at(const S* scales, int64_t g) { return static_cast<float>(scales[g]); }
-
-#if defined(EAGLET_QUANT_AVX2)
-inline float reduce8(__m256 v) {
-  // Fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 p = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
-}
-
-// Words w0 .. w0 + 7 of a codes row (fewer at the row's end: the rest read as zero nibbles, whose
-// x values are zero too).
-inline __m256i load_words(const int32_t* codes, int64_t w0, int64_t words) {
-  if (w0 + 8 <= words) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + w0));
-  alignas(32) int32_t tail[8] = {0};
-  for (int64_t i = w0; i < words; ++i) tail[i - w0] = codes[i];
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
-}
-#endif
-
 // out[r][n + j] for rows r0 .. r0 + NR - 1 and weight rows n .. n + NC - 1 (constants, so the sums
 // stay in registers). Several weight rows at once give the FMA unit independent chains: one row's
 // chunk is a chain of eight dependent FMAs, which alone leaves the unit waiting on its latency.
 template <int NR, int NC, typename S>
 void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
-                int64_t groups, int64_t group, float* out, int64_t out_stride) {
+                int64_t groups, const int32_t* half_group, float* out, int64_t out_stride) {
   constexpr int nr = NR, nc = NC;
 #if defined(EAGLET_QUANT_AVX2)
   __m256 acc[NR][NC];
+#pragma GCC unroll 8
   for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 8
     for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(0xF);
   const int64_t x_stride = rows.chunks * kChunk;
   for (int64_t c = 0; c < rows.chunks; ++c) {
     __m256i packed[NC];
-    for (int j = 0; j < nc; ++j) packed[j] = load_words(codes + j * words, c * 8, words);
+#pragma GCC unroll 8
+    for (int j = 0; j < nc; ++j) {
+      if (c % 2 == 0) prefetch_ahead(codes + j * words, c * 8, words, nc);
+      packed[j] = load_words(codes + j * words, c * 8, words);
+    }
     const float* x0 = rows.x.data() + (r0 * rows.chunks + c) * kChunk;
     __m256 dot[NR][NC];
+#pragma GCC unroll 8
     for (int j = 0; j < nc; ++j) {
       const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(packed[j], low4));
+#pragma GCC unroll 8
       for (int r = 0; r < nr; ++r) dot[r][j] = _mm256_mul_ps(_mm256_loadu_ps(x0 + r * x_stride), q);
     }
 #pragma GCC unroll 7
     for (int b = 1; b < 8; ++b) {
+#pragma GCC unroll 8
       for (int j = 0; j < nc; ++j) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(packed[j], 4 * b), low4));
+#pragma GCC unroll 8
         for (int r = 0; r < nr; ++r) dot[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + r * x_stride + 8 * b), q, dot[r][j]);
       }
     }
     // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
-    const int64_t k0 = c * kChunk;
+#pragma GCC unroll 8
     for (int j = 0; j < nc; ++j) {
-      const S* row_scales = scales + j * groups;
-      const float s_lo = scale_at(row_scales, k0 / group);
-      const float s_hi = k0 + 32 < words * 8 ? scale_at(row_scales, (k0 + 32) / group) : 0.0f;
+      float s_lo, s_hi;
+      chunk_scales(scales + j * groups, half_group, c, s_lo, s_hi);
       const __m256 scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+#pragma GCC unroll 8
       for (int r = 0; r < nr; ++r) {
         const __m256 off = _mm256_loadu_ps(rows.offset.data() + ((r0 + r) * rows.chunks + c) * 8);
         acc[r][j] = _mm256_fmadd_ps(_mm256_sub_ps(dot[r][j], off), scale, acc[r][j]);
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 8
     for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
 #else
   for (int j = 0; j < nc; ++j) {
@@ -131,11 +113,10 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
     for (int r = 0; r < nr; ++r) {
       float acc[8] = {0};
       for (int64_t c = 0; c < rows.chunks; ++c) {
-        const int64_t k0 = c * kChunk;
         for (int w = 0; w < 8; ++w) {
           const int64_t word = c * 8 + w;
           const uint32_t bits = word < words ? static_cast<uint32_t>(row_codes[word]) : 0u;
-          const float s = word < words ? scale_at(row_scales, (k0 + 8 * w) / group) : 0.0f;
+          const float s = word < words ? scale_at(row_scales, half_group[2 * c + w / 4]) : 0.0f;
           float dot = 0.0f;
           for (int b = 0; b < 8; ++b) {
             const float q = static_cast<float>((bits >> (4 * b)) & 0xF);
@@ -156,27 +137,15 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
 // as the registers hold next to NR x rows.
 template <int NR, typename S>
 void int4_cols(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
-               int64_t groups, int64_t group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
+               int64_t groups, const int32_t* half_group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
   constexpr int kCols = NR == 1 ? 4 : NR == 2 ? 2 : 1;
   int64_t col = col0;
   for (; col + kCols <= col0 + cols; col += kCols) {
-    int4_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, group, out + col, out_stride);
+    int4_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
   }
   for (; col < col0 + cols; ++col) {
-    int4_block<NR, 1>(rows, r0, codes + col * words, scales + col * groups, words, groups, group, out + col, out_stride);
+    int4_block<NR, 1>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
   }
-}
-
-void check_common(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
-              ": float32 or bfloat16 x [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), op, ": contiguous codes [N, ...]");
-  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == codes.size(0), op, ": scales [N, groups]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16, op,
-              ": float32 or bfloat16 scales");
-  TORCH_CHECK(group > 0 && group % 32 == 0, op, ": a group of a multiple of 32 columns");
-  TORCH_CHECK(scales.size(1) == (x.size(1) + group - 1) / group, op, ": ", scales.size(1), " scale groups for K = ",
-              x.size(1));
 }
 
 // An e4m3 byte as float32: its exponent and mantissa moved to bits 20-26 and its sign to bit 31 read
@@ -252,31 +221,6 @@ void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const 
 #endif
 }
 
-// Splits the N outputs over threads once the work pays for the pool's wake-up; body<NR>(col0, cols,
-// r0) computes rows r0 .. r0 + NR - 1 of outputs col0 .. col0 + cols - 1 (cols <= kColBlock). Rows
-// go in blocks of kRowBlock, each block against every column of the thread, so a prefill chunk's x
-// block stays in cache while the weight streams.
-template <typename F>
-void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
-  const int64_t grain = m * n * k >= kParallelWork ? std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, m * k)) : n;
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t block = 0; block < m; block += kRowBlock) {
-      const int64_t block_end = std::min(m, block + kRowBlock);
-      for (int64_t col0 = n0; col0 < n1; col0 += kColBlock) {
-        const int64_t cols = std::min(kColBlock, n1 - col0);
-        int64_t r0 = block;
-        for (; r0 + kRowsAtOnce <= block_end; r0 += kRowsAtOnce) body(std::integral_constant<int, kRowsAtOnce>{}, col0, cols, r0);
-        switch (block_end - r0) {
-          case 3: body(std::integral_constant<int, 3>{}, col0, cols, r0); break;
-          case 2: body(std::integral_constant<int, 2>{}, col0, cols, r0); break;
-          case 1: body(std::integral_constant<int, 1>{}, col0, cols, r0); break;
-          default: break;
-        }
-      }
-    }
-  });
-}
-
 }  // namespace
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
@@ -289,15 +233,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int32_t* code_data = codes.data_ptr<int32_t>();
   float* out_data = out.data_ptr<float>();
   const int64_t groups = scales.size(1);
+  const std::vector<int32_t> half_group = half_chunk_groups(k, group);
   if (scales.scalar_type() == at::kBFloat16) {
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
     for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, group, out_data, n, col0, cols);
+      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, half_group.data(), out_data, n, col0, cols);
     });
   } else {
     const float* s = scales.data_ptr<float>();
     for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, group, out_data, n, col0, cols);
+      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, half_group.data(), out_data, n, col0, cols);
     });
   }
   return out;
