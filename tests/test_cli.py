@@ -101,6 +101,7 @@ def test_inconsistent_flags_exit_with_a_message(checkpoint, tmp_path, monkeypatc
         (["--model-path", str(target), "--speculative-draft-model-path", str(draft)], "needs --speculative-algorithm"),
         (["--model-path", str(tmp_path / "missing")], "cannot load the model"),
         (["--model-path", str(target), "--image", str(tmp_path / "missing.png")], "cannot read image"),
+        (["--model-path", str(text_model), "--activation-quantization", "int8"], "add --quantization int4"),
     ]
     for flags, message in cases:
         with pytest.raises(SystemExit) as exit_info:

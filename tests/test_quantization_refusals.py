@@ -158,3 +158,14 @@ def test_experts_partly_quantized_are_refused_before_loading(int4_checkpoint, tm
 
     with pytest.raises(CheckpointError, match=r"stored in different forms: language_model.model.layers.1.mlp.experts \(int4, plain\)"):
         LLM(str(rewrite(int4_checkpoint, tmp_path / "m", edit_tensors=dequantize_one)), show_progress=False)
+
+
+def test_int8_activations_need_int4_weights(int4_checkpoint, tmp_path):
+    plain = int4_checkpoint.parent / "bf16"
+    with pytest.raises(ConfigError, match=r"has no quantization_config; add --quantization int4"):
+        LLM(str(plain), show_progress=False, activation_quantization="int8")
+    with pytest.raises(ConfigError, match=r"the one activation quantization is 'int8'"):
+        LLM(str(int4_checkpoint), show_progress=False, activation_quantization="fp8")
+    # Quantized at load time, the plain checkpoint runs W4A8 too.
+    llm = LLM(str(plain), show_progress=False, quantization="int4", activation_quantization="int8")
+    assert llm.engine.backend.int8_activations

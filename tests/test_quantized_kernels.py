@@ -8,7 +8,7 @@ import torch
 from eaglet import kernels
 from eaglet.backends.cpu.quantized_weights import KernelQuantizedLinear
 from eaglet.backends.pytorch.quantized_weights import DequantizingLinear
-from eaglet.backends.quantized_matrix import QuantizedMatrix, unpack_int4
+from eaglet.backends.quantized_matrix import QuantizedMatrix, int8_activation_values, unpack_int4
 from eaglet.testing.quantized_checkpoints import fp8_block_quantize, int4_scheme
 
 LINEARS = [DequantizingLinear, KernelQuantizedLinear]
@@ -109,3 +109,60 @@ def test_a_row_gets_the_same_bits_in_any_batch(linear, fmt):
     for rows in (1, 2, 3, 5, 8, 17, 33):
         assert torch.equal(method.apply_float(x[:rows]), full[:rows])
         assert torch.equal(method.apply_float(x[rows - 1 : rows + 4]), full[rows - 1 : rows + 4])
+
+
+def test_int8_activations_follow_q8_0s_rule():
+    """Per block of 32: scale absmax / 127, codes round(x / scale) with ties to even, a block of
+    zeros stays zero, and a width that is not a multiple of 32 is a short last block."""
+    x = torch.zeros(1, 40)
+    x[0, :4] = torch.tensor([2.0, 1.0, -0.5, 0.0])
+    x[0, 32:35] = torch.tensor([0.1, -0.3, 0.05])
+    values = int8_activation_values(x)
+    assert values.shape == (1, 40)
+    torch.testing.assert_close(values[0, :4] / (2.0 / 127), torch.tensor([127.0, 64.0, -32.0, 0.0]))  # 63.5 -> 64
+    assert torch.equal(values[0, 4:32], torch.zeros(28))
+    torch.testing.assert_close(values[0, 32:35] / (0.3 / 127), torch.tensor([42.0, -127.0, 21.0]))
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+@pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_product_with_int8_activations(linear, group_size, in_features, dtype):
+    """W4A8: the product with x's int8 values, and within a few percent of W4A16's."""
+    needs_kernels(linear)
+    matrix = int4_matrix(43, in_features, group_size, seed=in_features)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, in_features).to(dtype)
+        out = linear(matrix, int8_activations=True).apply_float(x)
+        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix), atol=2e-4, rtol=1e-5)
+        exact = reference(x, matrix)
+        assert not torch.equal(out, exact)
+        assert (out - exact).norm() < 0.02 * exact.norm()
+
+
+def test_int8_activations_leave_fp8_weights_in_float():
+    needs_kernels(KernelQuantizedLinear)
+    matrix = fp8_matrix(40, 256)
+    x = torch.randn(3, 256)
+    assert torch.equal(KernelQuantizedLinear(matrix, int8_activations=True).apply_float(x),
+                       KernelQuantizedLinear(matrix).apply_float(x))
+
+
+def test_int4_a8_rows_do_not_depend_on_batch_or_threads():
+    """Each row alone, in any batch and on one thread or several: the same bits (outputs split over
+    threads with ragged ends, rows 1 to 7 taking every register block)."""
+    needs_kernels(KernelQuantizedLinear)
+    matrix = int4_matrix(1003, 1024, 32, seed=5)
+    method = KernelQuantizedLinear(matrix, int8_activations=True)
+    x = torch.randn(7, 1024).bfloat16()
+    batched = method.apply_float(x)
+    for i in range(7):
+        assert torch.equal(method.apply_float(x[i : i + 1]), batched[i : i + 1])
+        assert torch.equal(method.apply_float(x[i:]), batched[i:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = method.apply_float(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, batched)

@@ -189,6 +189,42 @@ def test_int4_kimi_batch_invariance(kimi_int4, cpu_kernels, dtype):
 
 @BACKENDS
 @DTYPES
+def test_int4_a8_kimi_batch_invariance(kimi_int4, cpu_kernels, dtype):
+    skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
+    llm = LLM(str(kimi_int4[0]), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels, activation_quantization="int8")
+    assert llm.engine.backend.int8_activations
+    assert_batch_invariant(llm, KIMI_REQUESTS)
+
+
+def relative_errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> torch.Tensor:
+    """Per prompt position, |logits - reference| / |reference|."""
+    return torch.cat([(a - b).norm(dim=-1) / b.norm(dim=-1) for a, b in zip(logits, reference)])
+
+
+@BACKENDS
+def test_int4_a8_kimi_logits_stay_near_w4a16(kimi_int4, cpu_kernels):
+    """int8 activations move the float32 logits (so the engine did quantize them), typically by
+    about 1%, a tenth of what int4 weights moved them from bfloat16 (a position whose routing flips
+    moves more, hence medians); the kernels and the PyTorch ops, both W4A8, agree to rounding."""
+    def logits(path, **kwargs):
+        llm = LLM(str(path), dtype="float32", show_progress=False, cpu_kernels=cpu_kernels, **kwargs)
+        return prompt_logits(llm, KIMI_REQUESTS)
+
+    bf16, w4a16 = logits(kimi_int4[0].parent / "bf16"), logits(kimi_int4[0])
+    ours = logits(kimi_int4[0], activation_quantization="int8")
+    activation_error, weight_error = relative_errors(ours, w4a16), relative_errors(w4a16, bf16)
+    assert activation_error.min() > 0
+    assert activation_error.median() < 0.03
+    assert activation_error.median() < 0.25 * weight_error.median()
+    if cpu_kernels:
+        pytorch_ops = LLM(str(kimi_int4[0]), dtype="float32", show_progress=False, cpu_kernels=False,
+                          activation_quantization="int8")
+        for a, b in zip(ours, prompt_logits(pytorch_ops, KIMI_REQUESTS)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@BACKENDS
+@DTYPES
 def test_fp8_deepseek_batch_invariance(deepseek_fp8, cpu_kernels, dtype):
     skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
     llm = LLM(str(deepseek_fp8[0]), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels)
@@ -212,13 +248,14 @@ def speculative_pairs(tmp_path_factory):
 
 @BACKENDS
 @DTYPES
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "int4-a8", "fp8"])
 def test_greedy_speculation_on_a_quantized_target_is_lossless(speculative_pairs, fmt, cpu_kernels, dtype):
     skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
-    target, draft, requests = speculative_pairs[fmt]
+    target, draft, requests = speculative_pairs[fmt.removesuffix("-a8")]
     params = greedy(16)
-    plain = LLM(str(target), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels)
-    spec = LLM(str(target), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels,
+    activations = {"activation_quantization": "int8"} if fmt.endswith("-a8") else {}
+    plain = LLM(str(target), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels, **activations)
+    spec = LLM(str(target), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels, **activations,
                speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft), speculative_num_steps=3,
                speculative_eagle_topk=2, speculative_num_draft_tokens=5, speculative_adaptive=False)
     assert next(spec.engine.spec_worker.draft.parameters()).dtype == getattr(torch, dtype)

@@ -34,13 +34,15 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def torch_backend(fallback_reason: str | None = None) -> Backend:
-    """PyTorch ops for everything (``fallback_reason``: why an engine runs them instead of the kernels)."""
+def torch_backend(fallback_reason: str | None = None, int8_activations: bool = False) -> Backend:
+    """PyTorch ops for everything (``fallback_reason``: why an engine runs them instead of the kernels;
+    ``int8_activations``: int4 weights meet activations quantized to int8, W4A8)."""
     sampling = TorchSamplingOps()
     return Backend(
         name="pytorch", layers=TorchLayerOps(), sampling=sampling, spec=TorchSpecOps(sampling), cache=TorchCacheOps(),
-        weights=QuantizedWeightMethods(TorchWeightMethods()), mla_attention=TorchMLAAttention, decoder_stack=_no_stack,
-        fallback_reason=fallback_reason,
+        weights=QuantizedWeightMethods(TorchWeightMethods(), int8_activations=int8_activations),
+        mla_attention=TorchMLAAttention, decoder_stack=_no_stack, fallback_reason=fallback_reason,
+        int8_activations=int8_activations,
     )
 
 
@@ -49,10 +51,11 @@ def _no_stack(config: StackConfig, layers: list[StackLayer]) -> DecoderStack | N
 
 
 @functools.cache
-def cpu_backend() -> Backend:
+def cpu_backend(int8_activations: bool = False) -> Backend:
     """eaglet's C++ kernels (they must be available: ``eaglet.kernels.available()``): bfloat16
     matrices in tile layout where the build has a tile GEMM, the decoder stack; PyTorch ops where a
-    kernel does not take an input (autograd, another dtype or device)."""
+    kernel does not take an input (autograd, another dtype or device). ``int8_activations``: int4
+    weights meet activations quantized to int8 (W4A8)."""
     if not kernels.available():
         raise RuntimeError(f"eaglet CPU kernels unavailable: {kernels.unavailable_reason()}")
     torch_ops = torch_backend()
@@ -60,18 +63,20 @@ def cpu_backend() -> Backend:
         name="cpu", layers=CpuLayerOps(torch_ops.layers), sampling=CpuSamplingOps(torch_ops.sampling),
         spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache),
         weights=QuantizedWeightMethods(
-            CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None), KernelQuantizedLinear
+            CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None), KernelQuantizedLinear,
+            int8_activations=int8_activations,
         ),
         mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack, tile_gemm=kernels.tile_backend() is not None,
+        int8_activations=int8_activations,
     )
 
 
-def select_backend(cpu_kernels: bool = True) -> Backend:
+def select_backend(cpu_kernels: bool = True, int8_activations: bool = False) -> Backend:
     """The C++ kernels when asked for and they build here, else PyTorch ops (saying why)."""
     if not cpu_kernels:
-        return torch_backend("turned off (cpu_kernels=False)")
+        return torch_backend("turned off (cpu_kernels=False)", int8_activations)
     if not kernels.available():
         reason = f"eaglet CPU kernels unavailable: {kernels.unavailable_reason()}"
         logger.warning("%s; running PyTorch ops", reason)
-        return torch_backend(reason)
-    return cpu_backend()
+        return torch_backend(reason, int8_activations)
+    return cpu_backend(int8_activations)

@@ -161,6 +161,8 @@ class Backend:
     fallback_reason: str | None = None
     # Whether bfloat16 matrices are multiplied on eaglet's tile GEMM (then dtype "auto" is bfloat16).
     tile_gemm: bool = False
+    # Whether int4 matrices meet their activations quantized to int8 (W4A8) instead of in float.
+    int8_activations: bool = False
 
     @property
     def kernels(self) -> bool:

@@ -10,7 +10,8 @@ columns. Two formats:
   (gate with up, q_a with kv_a) and every format is "one scale per row per column group".
 
 The weight is ``code * scale`` for each element; methods multiply by it without ever holding the
-whole matrix dequantized.
+whole matrix dequantized. Int4 weights can also meet their activations quantized to int8
+(``int8_activation_values``, W4A8, opt-in): llama.cpp's Q8_0 rule per block of 32 values.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 INT4_PER_INT32 = 8
 INT4_OFFSET = 8
 FORMATS = ("int4", "fp8")
+ACTIVATION_BLOCK = 32  # activation values per int8 scale (W4A8)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
     # Divided in the weight's dtype (bfloat16 / bfloat16 rounds to bfloat16), as compressed-tensors does.
     values = (groups / scales[..., None]).round().clamp(-8, 7).reshape(weight.shape)
     return QuantizedMatrix("int4", pack_int4(values), scales, group_size, weight.shape[-1])
+
+
+def int8_activation_values(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as W4A8 multiplies it, in float32: per row and block of 32 values a float32 scale
+    d = absmax / 127 and codes round(x * (1 / d)) (ties to even), times d. The same arithmetic as
+    the int4_linear_a8 kernel's quantization, so both see the same int8 codes."""
+    rows, width = x.shape
+    padded = -width % ACTIVATION_BLOCK
+    blocks = torch.nn.functional.pad(x.float(), (0, padded)).view(rows, -1, ACTIVATION_BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    codes = (blocks * inverse).round().clamp(-127, 127)
+    return (codes * scale).view(rows, -1)[:, :width]
 
 
 def cat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:

@@ -31,7 +31,7 @@ from eaglet.layers.sampler import sample
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.models.eagle3 import load_eagle3_draft
 from eaglet.models.loader import read_checkpoint_tensor, skip_init
-from eaglet.models.registry import load_model, resolve_dtype
+from eaglet.models.registry import load_model, load_model_config, resolve_dtype
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
 from eaglet.runtime.kv_cache import KVCacheManager
 from eaglet.sampling_params import SamplingParams
@@ -72,6 +72,9 @@ class EngineConfig:
     cpu_kernels: bool = True
     # "int4": the target's plain routed experts quantized at load time (Kimi-K2.5's int4 form).
     quantization: str | None = None
+    # "int8": the target's int4 matrices meet activations quantized to int8 per block of 32 (W4A8,
+    # llama.cpp's Q8_0 activations): faster, but no longer the checkpoint's W4A16 arithmetic.
+    activation_quantization: str | None = None
     # Tensor parallelism (eaglet.distributed.parallel_config.ParallelConfig; SGLang's flag names).
     tp_size: int = 1
     ep_size: int = 1
@@ -96,11 +99,14 @@ class Engine:
         if not model_dir.is_dir():
             raise ConfigError(f"model path {config.model!r} is not a directory")
         parallel = config.parallel
-        self.backend = select_backend(config.cpu_kernels)
+        int8_activations = int8_activations_for(config, model_dir)
+        self.backend = select_backend(config.cpu_kernels, int8_activations)
         dtype = resolve_dtype(config.dtype, self.backend.tile_gemm)
         self.tp_group: RankGroup | None = None
         if parallel.tp_size > 1:
-            load = RankLoad(str(model_dir), str(dtype).removeprefix("torch."), config.cpu_kernels, config.quantization)
+            load = RankLoad(
+                str(model_dir), str(dtype).removeprefix("torch."), config.cpu_kernels, config.quantization, int8_activations
+            )
             self.tp_group = RankGroup(parallel, load)
         try:
             self._build(config, model_dir, dtype)
@@ -555,6 +561,25 @@ def _speculative_config(config: EngineConfig) -> SpeculativeConfig | None:
 def _lm_head(model: torch.nn.Module) -> torch.nn.Linear:
     language_model = getattr(model, "language_model", model)
     return language_model.lm_head
+
+
+def int8_activations_for(config: EngineConfig, model_dir: Path) -> bool:
+    """Whether the engine runs W4A8; refused where the target has no int4 matrices to run it on."""
+    if config.activation_quantization is None:
+        return False
+    if config.activation_quantization != "int8":
+        raise ConfigError(
+            f"activation_quantization={config.activation_quantization!r}: the one activation quantization is 'int8' "
+            "(W4A8, for int4 weights)"
+        )
+    scheme = load_model_config(model_dir).quantization
+    if config.quantization != "int4" and (scheme is None or scheme.format != "int4"):
+        stored = "no quantization_config" if scheme is None else f"{scheme.format} weights"
+        raise ConfigError(
+            f"activation_quantization='int8' runs int4 weights against int8 activations, and {model_dir} has "
+            f"{stored}; add --quantization int4 to quantize its routed experts at load time"
+        )
+    return True
 
 
 def _load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase | None

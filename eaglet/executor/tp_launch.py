@@ -62,6 +62,7 @@ class RankLoad:
     dtype: str  # as rank 0 resolved it
     cpu_kernels: bool
     quantization: str | None
+    int8_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def rank_main(spec: RankSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"[%(asctime)s tp{spec.rank} %(levelname)s %(name)s] %(message)s")
     joined = join_group(spec)
-    backend = select_backend(spec.load.cpu_kernels)
+    backend = select_backend(spec.load.cpu_kernels, spec.load.int8_activations)
     try:
         model, _ = load_model(
             spec.load.model, spec.load.dtype, backend=backend, show_progress=False, quantize=spec.load.quantization, tp=joined.tp

@@ -2,16 +2,19 @@
 rows at a time and multiplies it in float32, so no full-precision
 copy of the matrix exists and a row's result does not depend on the other rows of its call (the
 rows are padded to ``MIN_GEMM_ROWS``, from which on MKL's float32 product rounds every row alike).
+With ``int8_activations`` an int4 matrix meets x rounded to W4A8's int8 values first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from eaglet.backends.base import ExpertsMethod, LinearMethod, SwiGLUMethod, WeightMethods
 from eaglet.backends.pytorch.gemm_rows import MIN_GEMM_ROWS, rows_at_least
 from eaglet.backends.pytorch.weights import TorchSwiGLU
-from eaglet.backends.quantized_matrix import QuantizedMatrix
+from eaglet.backends.quantized_matrix import QuantizedMatrix, int8_activation_values
 
 # Output rows dequantized at a time: 128 rows of 7168 float32 values are 3.5 MB, about L2-L3 sized.
 TILE_ROWS = 128
@@ -20,16 +23,17 @@ TILE_ROWS = 128
 class DequantizingLinear:
     """x @ W^T (+ bias) for a 2-D quantized W, tile by tile in float32, rounded to x's dtype once."""
 
-    def __init__(self, weight: QuantizedMatrix, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantizedMatrix, bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
         if len(weight.shape) != 2:
             raise ValueError(f"a quantized linear takes a 2-D matrix, got shape {list(weight.shape)}")
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = weight.shape
+        self.int8_activations = int8_activations and weight.format == "int4"
 
     def apply_float(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 product [T, out] (bias added in float32)."""
         rows = x.shape[0]
-        x32 = rows_at_least(x.float(), MIN_GEMM_ROWS)
+        x32 = rows_at_least(int8_activation_values(x) if self.int8_activations else x.float(), MIN_GEMM_ROWS)
         out = torch.empty(x32.shape[0], self.out_features)
         for start in range(0, self.out_features, TILE_ROWS):
             stop = min(start + TILE_ROWS, self.out_features)
@@ -53,7 +57,7 @@ class QuantizedExperts:
     in one product per matrix, then each token's experts summed in float32 in ascending expert id,
     an order that depends on the token's own routing only."""
 
-    def __init__(self, w13: QuantizedMatrix, w2: QuantizedMatrix, linear: type) -> None:
+    def __init__(self, w13: QuantizedMatrix, w2: QuantizedMatrix, linear: Callable[[QuantizedMatrix], LinearMethod]) -> None:
         self.num_experts = w13.shape[0]
         self.per_expert = [
             TorchSwiGLU(linear(w13[e]), linear(w2[e])) for e in range(self.num_experts)
@@ -90,10 +94,14 @@ class QuantizedExperts:
 
 class QuantizedWeightMethods:
     """``WeightMethods`` that multiply quantized matrices with ``linear`` (a class like
-    ``DequantizingLinear``) and hand every other matrix to ``inner``."""
+    ``DequantizingLinear``, its int4 matrices against int8 activations where ``int8_activations``)
+    and hand every other matrix to ``inner``."""
 
-    def __init__(self, inner: WeightMethods, linear: type = DequantizingLinear) -> None:
-        self.inner, self.linear_class = inner, linear
+    def __init__(self, inner: WeightMethods, linear: type = DequantizingLinear, int8_activations: bool = False) -> None:
+        self.inner, self.linear_type, self.int8_activations = inner, linear, int8_activations
+
+    def linear_class(self, weight: QuantizedMatrix, bias: torch.Tensor | None = None) -> LinearMethod:
+        return self.linear_type(weight, bias, int8_activations=self.int8_activations)
 
     def linear(self, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None) -> LinearMethod:
         if isinstance(weight, QuantizedMatrix):

@@ -81,6 +81,8 @@ at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int6
 // gemm_quant.cpp: x [M, K] times a quantized [N, K] weight's transpose, float32 [M, N]
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
+// gemm_int4_a8.cpp: int4_linear's weights against x quantized per row to int8 in blocks of 32 (W4A8)
+at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
 
 // moe.cpp
 at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t inter);

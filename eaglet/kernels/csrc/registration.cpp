@@ -210,6 +210,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("amx_linear_argmax(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
+  m.def("int4_linear_a8(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
   m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, int inter) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale, Tensor? w_uk_packed=None, Tensor? w_uv_packed=None) -> Tensor");
 }
@@ -239,4 +240,5 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("f32_linear", f32_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("fp8_linear", fp8_linear);
+  m.impl("int4_linear_a8", int4_linear_a8);
 }

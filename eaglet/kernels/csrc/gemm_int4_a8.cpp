@@ -1,0 +1,210 @@
+// int4_linear_a8: int4_linear's weights (compressed-tensors pack-quantized, gemm_quant.cpp) against
+// x quantized per row to int8 in blocks of 32 k values, as llama.cpp's Q8_0 activations: per block
+// a float32 scale d = absmax / 127 and values round(x * (1 / d)), ties to even. Opt-in (W4A8): it
+// changes results against the checkpoint's W4A16 arithmetic, and buys about 3x fewer instructions
+// per weight, since nibbles times int8 values are summed exactly in integers (maddubs) and only
+// each lane's sum of 8 products is converted to float.
+//
+// Each output: per 64-value chunk and lane (8 k values), the exact integer sum, less 8 times the
+// lane's sum of x values (the nibbles are value + 8), times x's block scale, then one multiply-add
+// by the weight's group scale into the lane's float32 sum; the 8 lanes reduced in a fixed order.
+// Nothing depends on the batch or the threads, which split the N outputs only.
+#include "gemm_quant.h"
+
+#include <cmath>
+
+namespace eaglet {
+
+namespace {
+
+using namespace quant;
+
+constexpr int64_t kBlock = 32;  // x values per int8 scale
+
+// x rows quantized, in the order the packed words meet them: byte i of a chunk's 8 words holds k
+// values 2i (low nibble) and 2i + 1 (high nibble), so per chunk `even` holds x's codes at 64c + 2i
+// and `odd` those at 64c + 2i + 1. Per chunk and lane l (words l, k values 64c + 8l ..): the scale
+// of the lane's block and 8 times the sum of its 8 codes.
+struct Int8Rows {
+  std::vector<int8_t> even, odd;
+  std::vector<float> lane_scale;
+  std::vector<int32_t> lane_offset;
+  int64_t chunks;
+
+  Int8Rows(const at::Tensor& input, int64_t k) : chunks((k + kChunk - 1) / kChunk) {
+    const int64_t m = input.size(0), blocks = chunks * (kChunk / kBlock);
+    const at::Tensor xf = input.to(at::kFloat).contiguous();
+    const float* src = xf.data_ptr<float>();
+    even.assign(m * chunks * 32, 0);
+    odd.assign(m * chunks * 32, 0);
+    lane_scale.assign(m * chunks * 8, 0.0f);
+    lane_offset.assign(m * chunks * 8, 0);
+    std::vector<int8_t> codes(blocks * kBlock);
+    std::vector<float> block_scale(blocks);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* row = src + r * k;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t start = b * kBlock, stop = std::min(k, start + kBlock);
+        float absmax = 0.0f;
+        for (int64_t i = start; i < stop; ++i) absmax = std::max(absmax, std::fabs(row[i]));
+        const float d = absmax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        block_scale[b] = d;
+        for (int64_t i = start; i < start + kBlock; ++i) {
+          const float q = i < stop ? std::nearbyint(row[i] * inverse) : 0.0f;
+          codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+        }
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int8_t* chunk = codes.data() + c * kChunk;
+        const int64_t at = (r * chunks + c) * 32;
+        for (int i = 0; i < 32; ++i) even[at + i] = chunk[2 * i], odd[at + i] = chunk[2 * i + 1];
+        for (int lane = 0; lane < 8; ++lane) {
+          int32_t sum = 0;
+          for (int j = 0; j < 8; ++j) sum += chunk[8 * lane + j];
+          lane_offset[(r * chunks + c) * 8 + lane] = 8 * sum;
+          lane_scale[(r * chunks + c) * 8 + lane] = block_scale[2 * c + lane / 4];
+        }
+      }
+    }
+  }
+};
+
+#if defined(EAGLET_QUANT_AVX2)
+// Chunk c of weight rows 0 .. NC - 1 against x rows r0 .. r0 + NR - 1, into acc. kTail: the chunk
+// runs past K (read through load_words, its missing half scaled by zero); kPrefetch: also ask for
+// the next block of rows' line at this place.
+template <int NR, int NC, bool kTail, bool kPrefetch, typename S>
+__attribute__((always_inline)) inline void int4_a8_chunk(const Int8Rows& rows, int64_t r0, int64_t c, const int32_t* codes,
+                                                         const S* scales, int64_t words, int64_t groups,
+                                                         const int32_t* half_group, __m256 (&acc)[NR][NC]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i low[NC], high[NC];
+  __m256 weight_scale[NC];
+#pragma GCC unroll 8
+  for (int j = 0; j < NC; ++j) {
+    __m256i packed;
+    if constexpr (kTail) {
+      packed = load_words(codes + j * words, c * 8, words);
+    } else {
+      if constexpr (kPrefetch) prefetch_ahead(codes + j * words, c * 8, words, NC);
+      packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * words + c * 8));
+    }
+    low[j] = _mm256_and_si256(packed, low4);
+    high[j] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
+    const float s_lo = scale_at(scales + j * groups, half_group[2 * c]);
+    const float s_hi = !kTail || half_group[2 * c + 1] >= 0 ? scale_at(scales + j * groups, half_group[2 * c + 1]) : 0.0f;
+    weight_scale[j] = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) {
+    const int64_t at = (r0 + r) * rows.chunks + c;
+    const __m256i x_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.even.data() + at * 32));
+    const __m256i x_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.odd.data() + at * 32));
+    const __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.lane_offset.data() + at * 8));
+    const __m256 x_scale = _mm256_loadu_ps(rows.lane_scale.data() + at * 8);
+#pragma GCC unroll 8
+    for (int j = 0; j < NC; ++j) {
+      // Pairs of products fit int16: |15 * 127 * 2| * 2 < 2^15.
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[j], x_even), _mm256_maddubs_epi16(high[j], x_odd));
+      const __m256i lane_sum = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), offset);
+      acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lane_sum), x_scale), weight_scale[j], acc[r][j]);
+    }
+  }
+}
+#endif
+
+// out[r][n + j] for x rows r0 .. r0 + NR - 1 and weight rows n .. n + NC - 1.
+template <int NR, int NC, typename S>
+void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
+                   int64_t groups, const int32_t* half_group, float* out, int64_t out_stride) {
+  constexpr int nr = NR, nc = NC;
+#if defined(EAGLET_QUANT_AVX2)
+  __m256 acc[NR][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t full = words / 8;
+  // Chunks in pairs, the first prefetching the next rows' line (two chunks of a row are one line).
+  int64_t c = 0;
+  for (; c + 2 <= full; c += 2) {
+    int4_a8_chunk<NR, NC, false, true>(rows, r0, c, codes, scales, words, groups, half_group, acc);
+    int4_a8_chunk<NR, NC, false, false>(rows, r0, c + 1, codes, scales, words, groups, half_group, acc);
+  }
+  if (c < full) int4_a8_chunk<NR, NC, false, true>(rows, r0, c++, codes, scales, words, groups, half_group, acc);
+  if (c < rows.chunks) int4_a8_chunk<NR, NC, true, false>(rows, r0, c, codes, scales, words, groups, half_group, acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+#else
+  for (int j = 0; j < nc; ++j) {
+    const int32_t* row_codes = codes + j * words;
+    const S* row_scales = scales + j * groups;
+    for (int r = 0; r < nr; ++r) {
+      float acc[8] = {0};
+      for (int64_t c = 0; c < rows.chunks; ++c) {
+        const int64_t at = (r0 + r) * rows.chunks + c;
+        for (int lane = 0; lane < 8; ++lane) {
+          const int64_t word = c * 8 + lane;
+          const uint32_t bits = word < words ? static_cast<uint32_t>(row_codes[word]) : 0u;
+          int32_t sum = 0;
+          for (int b = 0; b < 4; ++b) {
+            const int i = 4 * lane + b;
+            sum += static_cast<int32_t>((bits >> (8 * b)) & 0xF) * rows.even[at * 32 + i];
+            sum += static_cast<int32_t>((bits >> (8 * b + 4)) & 0xF) * rows.odd[at * 32 + i];
+          }
+          const int32_t g = half_group[2 * c + lane / 4];
+          const float s = g >= 0 ? scale_at(row_scales, g) : 0.0f;
+          const float scaled = static_cast<float>(sum - rows.lane_offset[at * 8 + lane]) * rows.lane_scale[at * 8 + lane];
+          acc[lane] = std::fma(scaled, s, acc[lane]);
+        }
+      }
+      out[(r0 + r) * out_stride + j] =
+          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    }
+  }
+#endif
+}
+
+template <int NR, typename S>
+void int4_a8_cols(const Int8Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
+                  int64_t groups, const int32_t* half_group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
+  constexpr int kCols = 2;
+  int64_t col = col0;
+  for (; col + kCols <= col0 + cols; col += kCols) {
+    int4_a8_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
+  }
+  for (; col < col0 + cols; ++col) {
+    int4_a8_block<NR, 1>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
+  }
+}
+
+}  // namespace
+
+at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
+  check_common(x, codes, scales, group, "int4_linear_a8");
+  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.size(1) * 8 == x.size(1), "int4_linear_a8: int32 codes [N, K / 8]");
+  const int64_t m = x.size(0), n = codes.size(0), k = x.size(1), words = codes.size(1);
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return out;
+  const Int8Rows rows(x, k);
+  const int32_t* code_data = codes.data_ptr<int32_t>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t groups = scales.size(1);
+  const std::vector<int32_t> half_group = half_chunk_groups(k, group);
+  auto run = [&](const auto* s) {
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
+      int4_a8_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, half_group.data(), out_data, n, col0, cols);
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) {
+    run(scales.data_ptr<at::BFloat16>());
+  } else {
+    run(scales.data_ptr<float>());
+  }
+  return out;
+}
+
+}  // namespace eaglet
