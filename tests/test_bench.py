@@ -308,3 +308,14 @@ def test_malformed_llama_cpp_and_prefill_flags_stop_the_run_before_anything_is_b
     with pytest.raises(SystemExit, match=message):
         run_bench(tmp_path, "--modes", "plain", *flags)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_activation_quantization_applies_to_int4_checkpoints_only(tmp_path):
+    """``--activation-quantization int8`` on a float32 checkpoint: eaglet runs as stored, and the
+    record says the flag was not applied (the int4 case runs in tests/test_moonlight_checkpoint.py)."""
+    code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain", "--hf-batch-sizes", "",
+                             "--vllm-batch-sizes", "", "--activation-quantization", "int8")
+    assert code == 0
+    (ck,) = record["checkpoints"]
+    assert ck["activation_quantization"] is None
+    assert "--activation-quantization int8: not applied (no int4 weights)" in ck["notes"]

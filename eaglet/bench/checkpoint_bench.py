@@ -41,6 +41,13 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
     plain_tokens: dict[int, list] = {}
     if not text_ids:
         notes.append("transformers and vLLM: not run on this checkpoint (image prompts / text prompts of the demo)")
+    if args.activation_quantization:
+        if ckpt.get("weight_format") == "int4":
+            ckpt = {**ckpt, "activation_quantization": args.activation_quantization}
+            notes.append(f"eaglet: int4 weights against {args.activation_quantization} activations (W4A8)")
+            print(f"note: {notes[-1]}", flush=True)
+        else:
+            notes.append(f"--activation-quantization {args.activation_quantization}: not applied (no int4 weights)")
     if hf_batches and ckpt.get("one_engine_at_a_time"):
         hf_batches = []
         notes.append("transformers: not run on a real-size checkpoint (it would hold a second, decompressed copy)")
@@ -140,7 +147,8 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
         rows += llama_rows
     add_ratios(rows, MATCHING_TYPE.get(weight_format))
     return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
-            "params": params, "weight_format": weight_format, "rows": rows, "notes": notes,
+            "params": params, "weight_format": weight_format, "activation_quantization": ckpt.get("activation_quantization"),
+            "rows": rows, "notes": notes,
             "llama_cpp_token_check": llama_check,
             "spec_shapes": shapes_record({m: shapes[m] for m in modes if m in shapes})}
 
