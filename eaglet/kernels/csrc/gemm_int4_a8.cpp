@@ -171,7 +171,7 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
 template <int NR, typename S>
 void int4_a8_cols(const Int8Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
                   int64_t groups, const int32_t* half_group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
-  constexpr int kCols = 2;
+  constexpr int kCols = NR <= 2 ? 2 : 1;
   int64_t col = col0;
   for (; col + kCols <= col0 + cols; col += kCols) {
     int4_a8_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
