@@ -15,9 +15,9 @@
 
 namespace eaglet {
 
-namespace {
-
 using namespace quant;
+
+namespace {
 
 constexpr int64_t kBlock = 32;  // x values per int8 scale
 
@@ -168,43 +168,23 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
 #endif
 }
 
-template <int NR, typename S>
-void int4_a8_cols(const Int8Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
-                  int64_t groups, const int32_t* half_group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
-  constexpr int kCols = NR <= 2 ? 2 : 1;
-  int64_t col = col0;
-  for (; col + kCols <= col0 + cols; col += kCols) {
-    int4_a8_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
+// int4_product's kernel for W4A8: two weight rows at once for one or two x rows (more would spill
+// past the 16 vector registers), one at a time for more.
+struct W4A8 {
+  using Rows = Int8Rows;
+  template <int NR>
+  static constexpr int cols = NR <= 2 ? 2 : 1;
+  template <int NR, int NC, typename S>
+  static void block(const Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words, int64_t groups,
+                    const int32_t* half_group, float* out, int64_t out_stride) {
+    int4_a8_block<NR, NC>(rows, r0, codes, scales, words, groups, half_group, out, out_stride);
   }
-  for (; col < col0 + cols; ++col) {
-    int4_a8_block<NR, 1>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
-  }
-}
+};
 
 }  // namespace
 
 at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
-  check_common(x, codes, scales, group, "int4_linear_a8");
-  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.size(1) * 8 == x.size(1), "int4_linear_a8: int32 codes [N, K / 8]");
-  const int64_t m = x.size(0), n = codes.size(0), k = x.size(1), words = codes.size(1);
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return out;
-  const Int8Rows rows(x, k);
-  const int32_t* code_data = codes.data_ptr<int32_t>();
-  float* out_data = out.data_ptr<float>();
-  const int64_t groups = scales.size(1);
-  const std::vector<int32_t> half_group = half_chunk_groups(k, group);
-  auto run = [&](const auto* s) {
-    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      int4_a8_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, half_group.data(), out_data, n, col0, cols);
-    });
-  };
-  if (scales.scalar_type() == at::kBFloat16) {
-    run(scales.data_ptr<at::BFloat16>());
-  } else {
-    run(scales.data_ptr<float>());
-  }
-  return out;
+  return int4_product<W4A8>(x, codes, scales, group, "int4_linear_a8");
 }
 
 }  // namespace eaglet

@@ -15,9 +15,9 @@
 
 namespace eaglet {
 
-namespace {
-
 using namespace quant;
+
+namespace {
 
 // x rows as float32 in the int4 kernel's order: within each 64-value chunk, position 8 * j + w holds
 // x[64 c + 8 w + j], so shifting 8 loaded words by 4 j gives, in lane w, the weight that multiplies
@@ -133,20 +133,17 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
 #endif
 }
 
-// Weight rows col0 .. col0 + cols - 1 against x rows r0 .. r0 + NR - 1, as many weight rows at once
-// as the registers hold next to NR x rows.
-template <int NR, typename S>
-void int4_cols(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words,
-               int64_t groups, const int32_t* half_group, float* out, int64_t out_stride, int64_t col0, int64_t cols) {
-  constexpr int kCols = NR == 1 ? 4 : NR == 2 ? 2 : 1;
-  int64_t col = col0;
-  for (; col + kCols <= col0 + cols; col += kCols) {
-    int4_block<NR, kCols>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
+// int4_product's kernel for W4A16: as many weight rows at once as the registers hold next to NR x rows.
+struct W4A16 {
+  using Rows = Int4Rows;
+  template <int NR>
+  static constexpr int cols = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+  template <int NR, int NC, typename S>
+  static void block(const Rows& rows, int64_t r0, const int32_t* codes, const S* scales, int64_t words, int64_t groups,
+                    const int32_t* half_group, float* out, int64_t out_stride) {
+    int4_block<NR, NC>(rows, r0, codes, scales, words, groups, half_group, out, out_stride);
   }
-  for (; col < col0 + cols; ++col) {
-    int4_block<NR, 1>(rows, r0, codes + col * words, scales + col * groups, words, groups, half_group, out + col, out_stride);
-  }
-}
+};
 
 // An e4m3 byte as float32: its exponent and mantissa moved to bits 20-26 and its sign to bit 31 read
 // as a float32 give the value times 2^-120 (exactly, for normal and subnormal codes alike), which
@@ -224,28 +221,7 @@ void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const 
 }  // namespace
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
-  check_common(x, codes, scales, group, "int4_linear");
-  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.size(1) * 8 == x.size(1), "int4_linear: int32 codes [N, K / 8]");
-  const int64_t m = x.size(0), n = codes.size(0), k = x.size(1), words = codes.size(1);
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return out;
-  const Int4Rows rows(x, k);
-  const int32_t* code_data = codes.data_ptr<int32_t>();
-  float* out_data = out.data_ptr<float>();
-  const int64_t groups = scales.size(1);
-  const std::vector<int32_t> half_group = half_chunk_groups(k, group);
-  if (scales.scalar_type() == at::kBFloat16) {
-    const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, half_group.data(), out_data, n, col0, cols);
-    });
-  } else {
-    const float* s = scales.data_ptr<float>();
-    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      int4_cols<decltype(rows_at_once)::value>(rows, r0, code_data, s, words, groups, half_group.data(), out_data, n, col0, cols);
-    });
-  }
-  return out;
+  return int4_product<W4A16>(x, codes, scales, group, "int4_linear");
 }
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {

@@ -101,4 +101,43 @@ void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
   });
 }
 
+// An int4 op whole: argument checks, the output, the scale-group table, and the N outputs split
+// over threads, each thread's columns in blocks of Kernel::cols<NR> weight rows (the rest one at a
+// time). Kernel names the x form (Kernel::Rows, built once from x) and its register block
+// (Kernel::block<NR, NC>(rows, r0, codes, scales, words, groups, half_group, out, out_stride)).
+template <typename Kernel>
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group,
+                        const char* op) {
+  check_common(x, codes, scales, group, op);
+  TORCH_CHECK(codes.scalar_type() == at::kInt && codes.size(1) * 8 == x.size(1), op, ": int32 codes [N, K / 8]");
+  const int64_t m = x.size(0), n = codes.size(0), k = x.size(1), words = codes.size(1);
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return out;
+  const typename Kernel::Rows rows(x, k);
+  const int32_t* code_data = codes.data_ptr<int32_t>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t groups = scales.size(1);
+  const std::vector<int32_t> half_group = half_chunk_groups(k, group);
+  auto run = [&](const auto* s) {
+    for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
+      constexpr int nr = decltype(rows_at_once)::value, block = Kernel::template cols<nr>;
+      int64_t col = col0;
+      for (; col + block <= col0 + cols; col += block) {
+        Kernel::template block<nr, block>(rows, r0, code_data + col * words, s + col * groups, words, groups,
+                                          half_group.data(), out_data + col, n);
+      }
+      for (; col < col0 + cols; ++col) {
+        Kernel::template block<nr, 1>(rows, r0, code_data + col * words, s + col * groups, words, groups,
+                                      half_group.data(), out_data + col, n);
+      }
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) {
+    run(scales.data_ptr<at::BFloat16>());
+  } else {
+    run(scales.data_ptr<float>());
+  }
+  return out;
+}
+
 }  // namespace eaglet::quant
