@@ -59,14 +59,22 @@ def test_int4_codes_read_as_compressed_tensors_decompresses_them(group_size):
 @pytest.mark.parametrize("linear", LINEARS)
 @pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_product(linear, group_size, in_features, dtype):
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["w4a16", "w4a8"])
+def test_int4_product(linear, group_size, in_features, dtype, int8_activations):
+    """W4A16, and W4A8: the product with x's int8 values, within a few percent of W4A16's."""
     needs_kernels(linear)
-    # 43 outputs: the kernel takes weight rows four at a time for one or two x rows, then one by one.
+    # 43 outputs: the kernels take weight rows two or four at a time for one or two x rows, then one by one.
     matrix = int4_matrix(43, in_features, group_size, seed=in_features)
     for rows in (1, 2, 5):
         x = torch.randn(rows, in_features).to(dtype)
-        out = linear(matrix).apply_float(x)
-        torch.testing.assert_close(out, reference(x, matrix), atol=2e-4, rtol=1e-5)
+        out = linear(matrix, int8_activations=int8_activations).apply_float(x)
+        exact = reference(x, matrix)
+        if not int8_activations:
+            torch.testing.assert_close(out, exact, atol=2e-4, rtol=1e-5)
+            continue
+        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix), atol=2e-4, rtol=1e-5)
+        assert not torch.equal(out, exact)
+        assert (out - exact).norm() < 0.02 * exact.norm()
 
 
 def test_int4_rows_split_over_threads_get_the_bits_of_one_thread():
@@ -122,22 +130,6 @@ def test_int8_activations_follow_q8_0s_rule():
     torch.testing.assert_close(values[0, :4] / (2.0 / 127), torch.tensor([127.0, 64.0, -32.0, 0.0]))  # 63.5 -> 64
     assert torch.equal(values[0, 4:32], torch.zeros(28))
     torch.testing.assert_close(values[0, 32:35] / (0.3 / 127), torch.tensor([42.0, -127.0, 21.0]))
-
-
-@pytest.mark.parametrize("linear", LINEARS)
-@pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_product_with_int8_activations(linear, group_size, in_features, dtype):
-    """W4A8: the product with x's int8 values, and within a few percent of W4A16's."""
-    needs_kernels(linear)
-    matrix = int4_matrix(43, in_features, group_size, seed=in_features)
-    for rows in (1, 2, 5):
-        x = torch.randn(rows, in_features).to(dtype)
-        out = linear(matrix, int8_activations=True).apply_float(x)
-        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix), atol=2e-4, rtol=1e-5)
-        exact = reference(x, matrix)
-        assert not torch.equal(out, exact)
-        assert (out - exact).norm() < 0.02 * exact.norm()
 
 
 def test_int8_activations_leave_fp8_weights_in_float():
