@@ -45,8 +45,11 @@ class TorchLayerOps:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
         norm_topk_prob: bool, routed_scaling_factor: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # At least MIN_GEMM_ROWS rows: a token's scores do not depend on how many tokens are routed.
-        scores = F.linear(rows_at_least(x.float(), MIN_GEMM_ROWS), weight)[: x.shape[0]].sigmoid()
+        # Rows padded to a multiple of MIN_GEMM_ROWS, so a token's scores do not depend on how many
+        # tokens are routed: MKL's product, and sigmoid, whose vector loop leaves a scalar tail past
+        # its last whole pair of vectors (a different rounding for the last token of an odd count).
+        padded_rows = -(-max(x.shape[0], 1) // MIN_GEMM_ROWS) * MIN_GEMM_ROWS
+        scores = F.linear(rows_at_least(x.float(), padded_rows), weight).sigmoid()[: x.shape[0]]
         biased = scores + bias
         if topk_group < n_group:  # otherwise every group is kept
             num_tokens, num_experts = biased.shape
