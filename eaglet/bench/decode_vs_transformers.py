@@ -175,14 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  (discarded a run: other processes used {pct(run['foreign_cpu'])} of the CPUs)", flush=True)
 
                 counter = ExpertCounter(llm.engine.model)
+                with counter:  # an untimed run: the router's choices give the distinct experts
+                    run_eaglet_steps(llm, prompts, args.new_tokens, counter)
+                distinct = counter.mean_distinct()
                 for r in range(args.repeats):
-                    if r == 0:  # the router's choices of the first timed run give the distinct experts
-                        with counter:
-                            e_runs.append(measure(lambda: run_eaglet_steps(llm, prompts, args.new_tokens, counter)))
-                        distinct = counter.mean_distinct()
-                        counter.reset()
-                    else:
-                        e_runs.append(measure(lambda: run_eaglet_steps(llm, prompts, args.new_tokens)))
+                    e_runs.append(measure(lambda: run_eaglet_steps(llm, prompts, args.new_tokens)))
                     msg = (f"[{dname} B={batch}] repeat {r + 1}: eaglet {e_runs[-1]['decode_tok_s']:.1f} tok/s"
                            f" (other processes {pct(e_runs[-1]['foreign_cpu'])} CPU)")
                     if hf is not None:

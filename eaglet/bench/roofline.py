@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eaglet import LLM
-from eaglet.bench.eaglet_runs import run_eaglet
+from eaglet import LLM, SamplingParams
 
 if TYPE_CHECKING:
     from eaglet.models.config import TextConfig
@@ -20,19 +19,24 @@ if TYPE_CHECKING:
 class ExpertCounter:
     """Wraps RoutedExperts.forward (in this process only) to count distinct experts per decode call.
 
-    During a timed run it only keeps a copy of each call's expert ids (a few microseconds per layer);
-    the distinct counts are computed afterwards."""
+    It keeps a copy of each call's expert ids; the distinct counts are computed afterwards. While
+    it counts, the model runs its layers one by one: a decoder stack routes in C++, past the
+    wrapper (with the same routing and the same bits, but not the stack's speed: count on an
+    untimed run)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from eaglet.layers.moe import RoutedExperts
 
         self.cls = RoutedExperts
         self.layer_of = {id(m): name for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
+        self.decoder = getattr(model, "language_model", model).model
         self.decode = False
         self.per_layer: dict[str, list[torch.Tensor]] = {name: [] for name in self.layer_of.values()}
         self._orig = None
+        self._stack = None
 
     def __enter__(self) -> "ExpertCounter":
+        self._stack, self.decoder.decoder_stack = self.decoder.decoder_stack, None
         orig = self._orig = self.cls.forward
         counter = self
 
@@ -48,6 +52,7 @@ class ExpertCounter:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.cls.forward = self._orig
+        self.decoder.decoder_stack = self._stack
 
     def reset(self) -> None:
         for v in self.per_layer.values():
@@ -112,12 +117,18 @@ def step_floor(model: torch.nn.Module, cfg: TextConfig, dtype: torch.dtype, batc
 
 def plain_step_floor(llm: LLM, prompts: list, new_tokens: int, prompt_len: int, read_gbps: float,
                      dtype: torch.dtype) -> dict:
-    """Bytes a plain decode step must read, counted on an untimed run (distinct experts per step)."""
-    model = llm.engine.model
+    """Bytes a plain decode step must read, counted on an untimed run (distinct experts per decode
+    step: the prefill's forwards, which route every prompt token, are not counted)."""
+    model, engine = llm.engine.model, llm.engine
     counter = ExpertCounter(model)
+    params = SamplingParams(max_new_tokens=min(new_tokens, 16), temperature=0.0, ignore_eos=True)
+    requests = [engine.requests[engine.add_request(p, params)] for p in prompts]
     with counter:
+        while engine.has_unfinished() and not all(r.output_token_ids for r in requests):
+            engine.step(stream_text=False)
         counter.decode = True
-        run_eaglet(llm, prompts, min(new_tokens, 16), ignore_eos=True)
+        while engine.has_unfinished():
+            engine.step(stream_text=False)
     text = llm.engine.model_config.text
     return step_floor(model, text, dtype, len(prompts), prompt_len + new_tokens / 2,
                       counter.mean_distinct(), read_gbps, gemm_gflops=float("inf"))
