@@ -310,12 +310,35 @@ def test_malformed_llama_cpp_and_prefill_flags_stop_the_run_before_anything_is_b
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_activation_quantization_applies_to_int4_checkpoints_only(tmp_path):
-    """``--activation-quantization int8`` on a float32 checkpoint: eaglet runs as stored, and the
-    record says the flag was not applied (the int4 case runs in tests/test_moonlight_checkpoint.py)."""
+def test_quantization_flags_apply_to_int4_checkpoints_only(tmp_path):
+    """``--activation-quantization int8`` and ``--quantized-layers all`` on a float32 checkpoint:
+    eaglet runs as stored, and the record says the flags were not applied (the int4 case runs in
+    tests/test_moonlight_checkpoint.py)."""
     code, record = run_bench(tmp_path, "--batch-sizes", "1", "--modes", "plain", "--hf-batch-sizes", "",
-                             "--vllm-batch-sizes", "", "--activation-quantization", "int8")
+                             "--vllm-batch-sizes", "", "--activation-quantization", "int8", "--quantized-layers", "all")
     assert code == 0
     (ck,) = record["checkpoints"]
-    assert ck["activation_quantization"] is None
+    assert ck["activation_quantization"] is None and ck["quantized_layers"] == "experts"
     assert "--activation-quantization int8: not applied (no int4 weights)" in ck["notes"]
+    assert "--quantized-layers all: not applied (no int4 weights)" in ck["notes"]
+
+
+def test_the_read_floor_counts_the_experts_a_decoder_stack_routes(tmp_path):
+    """The stack routes in C++, past RoutedExperts.forward: while the counter counts, the layers
+    run one by one, so every MoE layer's distinct experts are seen; the stack is back afterwards."""
+    import torch
+
+    from eaglet import LLM, SamplingParams
+    from eaglet.bench.roofline import ExpertCounter
+    from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
+
+    path = write_deepseek_v3_checkpoint(tmp_path / "ckpt", seed=4, dtype=torch.bfloat16)
+    llm = LLM(str(path), dtype="bfloat16", show_progress=False)
+    stack = llm.engine.model.model.decoder_stack
+    counter = ExpertCounter(llm.engine.model)
+    with counter:
+        counter.decode = True
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_new_tokens=4, temperature=0.0))
+    distinct = counter.mean_distinct()
+    assert distinct and all(count >= 2 for count in distinct.values())  # top-2 routing: 2 experts a token
+    assert llm.engine.model.model.decoder_stack is stack

@@ -102,6 +102,7 @@ def test_inconsistent_flags_exit_with_a_message(checkpoint, tmp_path, monkeypatc
         (["--model-path", str(tmp_path / "missing")], "cannot load the model"),
         (["--model-path", str(target), "--image", str(tmp_path / "missing.png")], "cannot read image"),
         (["--model-path", str(text_model), "--activation-quantization", "int8"], "add --quantization int4"),
+        (["--model-path", str(text_model), "--quantized-layers", "all"], "needs a quantization (int4)"),
     ]
     for flags, message in cases:
         with pytest.raises(SystemExit) as exit_info:

@@ -17,6 +17,7 @@ from eaglet.runtime.forward_batch import ForwardBatch, ForwardMode
 from eaglet.spec.stack_drafter import StackDrafter
 from eaglet.testing.checkpoints import write_deepseek_v3_checkpoint
 from eaglet.testing.echo_checkpoints import echo_draft, echo_text_target
+from eaglet.testing.quantized_checkpoints import write_fp8_checkpoint
 
 
 def _has_tile_kernels() -> bool:
@@ -30,14 +31,25 @@ CONFIGS = {
     "tile-projections": {"kv_lora_rank": 64, "v_head_dim": 64, "qk_nope_head_dim": 16},
     "no-q-lora-with-bias": {"q_lora_rank": None, "attention_bias": True},
     "dense-only": {"first_k_dense_replace": 3},
+    # Quantized matrices in the stack: int4 routed experts beside tile copies; every matrix int4
+    # against int8 activations; FP8 blocks (the checkpoint's decoder matrices, edges padded).
+    "int4-experts": {},
+    "int4-all-a8": {"q_lora_rank": 32, "kv_lora_rank": 32},
+    "fp8": {},
+}
+QUANTIZATION = {
+    "int4-experts": {"quantization": "int4"},
+    "int4-all-a8": {"quantization": "int4", "quantized_layers": "all", "activation_quantization": "int8"},
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def llm(request, tmp_path_factory):
-    path = write_deepseek_v3_checkpoint(tmp_path_factory.mktemp(f"stack-{request.param}"), CONFIGS[request.param],
-                                        seed=3, dtype=torch.bfloat16)
-    return LLM(str(path), dtype="bfloat16", show_progress=False, cpu_kernels=True)
+    root = tmp_path_factory.mktemp(f"stack-{request.param}")
+    path = write_deepseek_v3_checkpoint(root / "bf16", CONFIGS[request.param], seed=3, dtype=torch.bfloat16)
+    if request.param == "fp8":
+        path = write_fp8_checkpoint(path, root / "fp8")
+    return LLM(str(path), dtype="bfloat16", show_progress=False, cpu_kernels=True, **QUANTIZATION.get(request.param, {}))
 
 
 def _decoder(llm: LLM):
@@ -157,7 +169,8 @@ def test_tree_verify_matches_the_layer_path(llm):
 @pytest.mark.parametrize("new_lens", [[1, 1, 1], [4, 4, 4]], ids=["decode", "chain-verify"])
 def test_greedy_ids_forward_gives_the_argmax_of_the_logits_forward(llm, new_lens):
     """A forward asked only for greedy ids (the fused lm_head + argmax) returns no logits and, per
-    logits row, the argmax of the logits the same forward returns otherwise (same cache)."""
+    logits row, the argmax of the logits the same forward returns otherwise (same cache); a quantized
+    lm_head returns the logits."""
     batch = _batch(llm, [9, 30, 2], new_lens, capture_layers=(1,))
     batch.logits_indices = torch.arange(batch.num_tokens)
     backend, cache = CpuMLAAttention(llm.engine.cache), llm.engine.cache
@@ -168,8 +181,12 @@ def test_greedy_ids_forward_gives_the_argmax_of_the_logits_forward(llm, new_lens
             cache.target.kv.copy_(before)
             batch.greedy_ids_only = True
             ids_only = llm.engine.model(batch, backend)
-        assert full.greedy_ids is None and ids_only.logits is None
-        assert torch.equal(ids_only.greedy_ids, full.logits.argmax(-1))
+        assert full.greedy_ids is None
+        if llm.engine.model.lm_head.quantized_weight is not None:
+            # No fused argmax on a quantized lm_head: the forward returns the logits instead.
+            assert ids_only.greedy_ids is None and torch.equal(ids_only.logits, full.logits)
+        else:
+            assert ids_only.logits is None and torch.equal(ids_only.greedy_ids, full.logits.argmax(-1))
         assert torch.equal(ids_only.aux_hidden_states, full.aux_hidden_states)
     finally:
         _free(llm, batch)

@@ -92,14 +92,18 @@ def test_eaglet_matches_transformers_on_the_decompressed_weights(checkpoint, ref
         assert out.token_ids == generated[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("activations", [None, "int8"], ids=["w4a16", "w4a8"])
-def test_echo_dial_with_its_draft_is_lossless_and_accepts(checkpoint, activations):
+@pytest.mark.parametrize("activations, layers", [(None, "experts"), ("int8", "experts"), ("int8", "all")],
+                         ids=["w4a16", "w4a8", "w4a8-all-linear"])
+def test_echo_dial_with_its_draft_is_lossless_and_accepts(checkpoint, activations, layers):
     draft_config = json.loads((checkpoint["draft"] / "config.json").read_text())
     assert draft_config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     assert draft_config["torch_dtype"] == "bfloat16" and draft_config["q_lora_rank"] == 256 * 3 // 4
     requests = [{"prompt_token_ids": p} for p in PROMPTS]
-    plain = LLM(str(checkpoint["target"]), dtype="float32", show_progress=False, activation_quantization=activations)
-    spec = LLM(str(checkpoint["target"]), dtype="float32", show_progress=False, activation_quantization=activations,
+    quantization = {"activation_quantization": activations}
+    if layers == "all":
+        quantization |= {"quantization": "int4", "quantized_layers": "all"}
+    plain = LLM(str(checkpoint["target"]), dtype="float32", show_progress=False, **quantization)
+    spec = LLM(str(checkpoint["target"]), dtype="float32", show_progress=False, **quantization,
                speculative_algorithm="EAGLE3",
                speculative_draft_model_path=str(checkpoint["draft"]), speculative_num_steps=3,
                speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=False)

@@ -169,3 +169,25 @@ def test_int8_activations_need_int4_weights(int4_checkpoint, tmp_path):
     # Quantized at load time, the plain checkpoint runs W4A8 too.
     llm = LLM(str(plain), show_progress=False, quantization="int4", activation_quantization="int8")
     assert llm.engine.backend.int8_activations
+
+
+def test_quantized_layers_settings_are_refused(int4_checkpoint):
+    plain = int4_checkpoint.parent / "bf16"
+    with pytest.raises(ConfigError, match=r"quantized_layers='all' needs a quantization \(int4\)"):
+        LLM(str(plain), show_progress=False, quantized_layers="all")
+    with pytest.raises(ConfigError, match=r"quantized_layers='attention': choose one of \('experts', 'all'\)"):
+        LLM(str(plain), show_progress=False, quantization="int4", quantized_layers="attention")
+    with pytest.raises(ConfigError, match=r"quantization 'int2' is not supported at load time; choose one of \('int4', 'int8'\)"):
+        LLM(str(plain), show_progress=False, quantization="int2")
+
+
+def test_all_layers_keep_the_matrices_groups_do_not_divide(int4_checkpoint, caplog):
+    """The tiny model's q_b_proj reads 24 columns (q_lora_rank) and kv_b_proj 16 (kv_lora_rank):
+    ``quantized_layers="all"`` keeps them as loaded, says so, and quantizes the rest."""
+    plain = int4_checkpoint.parent / "bf16"
+    with caplog.at_level("WARNING", logger="eaglet.models.load_time_quantization"):
+        llm = LLM(str(plain), show_progress=False, quantization="int4", quantized_layers="all")
+    assert "4 matrices kept as loaded" in caplog.text and "layers.0.self_attn.q_b_proj" in caplog.text
+    attention = llm.engine.model.language_model.model.layers[1].self_attn
+    assert attention.q_b_proj.quantized_weight is None and attention.kv_b_proj.quantized_weight is None
+    assert attention.o_proj.quantized_weight is not None and attention.q_a_proj.quantized_weight is not None

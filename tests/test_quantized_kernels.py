@@ -8,7 +8,7 @@ import torch
 from eaglet import kernels
 from eaglet.backends.cpu.quantized_weights import KernelQuantizedLinear
 from eaglet.backends.pytorch.quantized_weights import DequantizingLinear
-from eaglet.backends.quantized_matrix import QuantizedMatrix, int8_activation_values, unpack_int4
+from eaglet.backends.quantized_matrix import QuantizedMatrix, int8_activation_values, quantize_int8, unpack_int4
 from eaglet.testing.quantized_checkpoints import fp8_block_quantize, int4_scheme
 
 LINEARS = [DequantizingLinear, KernelQuantizedLinear]
@@ -95,6 +95,80 @@ def test_int4_rows_split_over_threads_get_the_bits_of_one_thread():
         assert torch.equal(a, b)
 
 
+def int8_matrix(out_features: int, in_features: int, group_size: int, seed: int = 0) -> QuantizedMatrix:
+    g = torch.Generator().manual_seed(seed)
+    return quantize_int8(torch.randn(out_features, in_features, generator=g).bfloat16(), group_size)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int8_quantization_is_compressed_tensors_rule(group_size):
+    """``quantize_int8`` gives the scales of compressed-tensors' ``calculate_qparams`` and the codes
+    of its ``quantize`` for symmetric 8-bit groups (rows of zeros included)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="group", group_size=group_size)
+    weight = torch.randn(6, 256, generator=torch.Generator().manual_seed(group_size)).bfloat16()
+    weight[2] = 0
+    groups = weight.float().view(6, -1, group_size)
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    matrix = quantize_int8(weight, group_size)
+    assert matrix.codes.dtype == torch.int8 and matrix.scales.shape == (6, 256 // group_size)
+    nonzero = groups.abs().amax(-1) != 0  # compressed-tensors gives an all-zero group a tiny scale, eaglet 1
+    assert torch.equal(matrix.scales[nonzero], scale.bfloat16()[nonzero])
+    assert torch.equal(matrix.codes[nonzero.repeat_interleave(group_size, 1)].float(),
+                       quantize(weight, scale.bfloat16(), zero_point, args)[nonzero.repeat_interleave(group_size, 1)].float())
+    assert torch.equal(matrix.codes[2], torch.zeros(256, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("linear", LINEARS)
+@pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["w8a16", "w8a8"])
+def test_int8_product(linear, group_size, in_features, dtype, int8_activations):
+    """W8A16, and W8A8: the product with x's int8 values, within a few percent of W8A16's."""
+    needs_kernels(linear)
+    matrix = int8_matrix(43, in_features, group_size, seed=in_features)
+    bias = torch.randn(43)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, in_features).to(dtype)
+        out = linear(matrix, bias, int8_activations=int8_activations).apply_float(x)
+        exact = reference(x, matrix) + bias
+        if not int8_activations:
+            torch.testing.assert_close(out, exact, atol=2e-4, rtol=1e-5)
+            continue
+        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix) + bias, atol=2e-4, rtol=1e-5)
+        assert not torch.equal(out, exact)
+        assert (out - exact).norm() < 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["w8a16", "w8a8"])
+def test_int8_rows_do_not_depend_on_batch_or_threads(int8_activations):
+    needs_kernels(KernelQuantizedLinear)
+    matrix = int8_matrix(1003, 1024, 32, seed=5)
+    method = KernelQuantizedLinear(matrix, int8_activations=int8_activations)
+    x = torch.randn(7, 1024).bfloat16()
+    batched = method.apply_float(x)
+    for i in range(7):
+        assert torch.equal(method.apply_float(x[i : i + 1]), batched[i : i + 1])
+        assert torch.equal(method.apply_float(x[i:]), batched[i:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = method.apply_float(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, batched)
+
+
+def test_int8_kernel_refuses_a_width_of_partial_blocks():
+    needs_kernels(KernelQuantizedLinear)
+    codes, scales = torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="int8_linear: K a multiple of 32, got 40"):
+        torch.ops.eaglet.int8_linear(torch.zeros(1, 40), codes, scales, 32)
+
+
 @pytest.mark.parametrize("linear", LINEARS)
 @pytest.mark.parametrize("in_features", [64, 100, 200, 384])
 def test_fp8_product(linear, in_features):
@@ -107,10 +181,10 @@ def test_fp8_product(linear, in_features):
 
 
 @pytest.mark.parametrize("linear", LINEARS)
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_a_row_gets_the_same_bits_in_any_batch(linear, fmt):
     needs_kernels(linear)
-    matrix = int4_matrix(97, 256, 32) if fmt == "int4" else fp8_matrix(97, 256)
+    matrix = {"int4": int4_matrix, "int8": int8_matrix}[fmt](97, 256, 32) if fmt != "fp8" else fp8_matrix(97, 256)
     method = linear(matrix)
     x = torch.randn(40, 256)
     full = method.apply_float(x)
@@ -158,3 +232,42 @@ def test_int4_a8_rows_do_not_depend_on_batch_or_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, batched)
+
+
+def stacked(fmt: str, num_experts: int, out_features: int, in_features: int, seed: int) -> QuantizedMatrix:
+    def make(e: int) -> QuantizedMatrix:
+        if fmt == "fp8":
+            return fp8_matrix(out_features, in_features, seed + e)
+        return {"int4": int4_matrix, "int8": int8_matrix}[fmt](out_features, in_features, 32, seed + e)
+
+    parts = [make(e) for e in range(num_experts)]
+    return QuantizedMatrix(fmt, torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]),
+                           parts[0].group_size, in_features)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")
+@pytest.mark.parametrize("fmt", ["int4", "int4-a8", "int8", "int8-a8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_routed_experts_in_one_call_give_the_bits_of_the_per_expert_ops(fmt, dtype, tokens):
+    """``quantized_routed_experts`` (C++) runs QuantizedExperts' ops in its order: the same bits as
+    the Python loop over the chosen experts, for a decode token and a ragged batch of them."""
+    from eaglet.backends.cpu.quantized_weights import KernelQuantizedExperts
+    from eaglet.backends.pytorch.quantized_weights import QuantizedExperts
+
+    num_experts, hidden, inter, top_k = 6, 64, 96, 3
+    base = fmt.removesuffix("-a8")
+    w13, w2 = stacked(base, num_experts, 2 * inter, hidden, 1), stacked(base, num_experts, hidden, inter, 50)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+
+    def linear(matrix: QuantizedMatrix) -> KernelQuantizedLinear:
+        return KernelQuantizedLinear(matrix, int8_activations=fmt.endswith("-a8"))
+
+    one_call_experts = KernelQuantizedExperts(w13, w2, linear, int8_activations=fmt.endswith("-a8"))
+    with torch.no_grad():  # under autograd both would run the Python loop
+        python = QuantizedExperts(w13, w2, linear).apply(x, weights, ids)
+        one_call = one_call_experts.apply(x, weights, ids)
+    assert one_call.dtype == dtype and torch.equal(one_call, python)

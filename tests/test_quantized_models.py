@@ -224,6 +224,42 @@ def test_int4_a8_kimi_logits_stay_near_w4a16(kimi_int4, cpu_kernels):
 
 
 @BACKENDS
+def test_int8_at_load_time_stays_near_bfloat16(kimi_int4, cpu_kernels):
+    """``--quantization int8`` (every linear layer): float32 logits a median a few times closer to
+    the bfloat16 model's than int4 experts alone put them (8 bits against 4); with int8 activations
+    (W8A8) still close, and the kernels and the PyTorch ops agree to rounding at nearly every
+    position (their float sums differ in the last bits; a router's near-tie can flip an expert)."""
+    plain = kimi_int4[0].parent / "bf16"
+
+    def logits(path, cpu_kernels=cpu_kernels, **kwargs):
+        llm = LLM(str(path), dtype="float32", show_progress=False, cpu_kernels=cpu_kernels, **kwargs)
+        return prompt_logits(llm, KIMI_REQUESTS)
+
+    bf16, int4_experts = logits(plain), logits(kimi_int4[0])
+    int8 = logits(plain, quantization="int8", quantized_layers="all")
+    w8a8 = logits(plain, quantization="int8", quantized_layers="all", activation_quantization="int8")
+    int8_error, int4_error = relative_errors(int8, bf16), relative_errors(int4_experts, bf16)
+    assert 0 < int8_error.median() < 0.25 * int4_error.median()
+    assert relative_errors(w8a8, int8).median() < 0.03
+    if cpu_kernels:
+        pytorch_ops = logits(plain, cpu_kernels=False, quantization="int8", quantized_layers="all",
+                             activation_quantization="int8")
+        agree = torch.cat([((a - b).abs().amax(-1) < 1e-4) for a, b in zip(w8a8, pytorch_ops)])
+        assert agree.float().mean() > 0.8
+
+
+@BACKENDS
+@DTYPES
+@pytest.mark.parametrize("activations", [None, "int8"], ids=["w8a16", "w8a8"])
+def test_int8_at_load_time_batch_invariance(kimi_int4, cpu_kernels, dtype, activations):
+    skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
+    llm = LLM(str(kimi_int4[0].parent / "bf16"), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels,
+              quantization="int8", quantized_layers="all", activation_quantization=activations)
+    assert isinstance(llm.engine.model.language_model.lm_head.quantized_weight, QuantizedMatrix)
+    assert_batch_invariant(llm, KIMI_REQUESTS)
+
+
+@BACKENDS
 @DTYPES
 def test_fp8_deepseek_batch_invariance(deepseek_fp8, cpu_kernels, dtype):
     skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
@@ -238,9 +274,10 @@ def speculative_pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized-spec")
     kimi = echo_kimi_target(root / "kimi", alpha=1.0)
     text = echo_text_target(root / "text", alpha=1.0)
+    kimi_draft = echo_draft(kimi, root / "kimi-draft", kind="mla")
     return {
-        "int4": (write_int4_checkpoint(kimi, root / "kimi-int4"), echo_draft(kimi, root / "kimi-draft", kind="mla"),
-                 KIMI_REQUESTS),
+        "int4": (write_int4_checkpoint(kimi, root / "kimi-int4"), kimi_draft, KIMI_REQUESTS),
+        "int8-all": (kimi, kimi_draft, KIMI_REQUESTS),  # quantized at load
         "fp8": (write_fp8_checkpoint(text, root / "text-fp8"), echo_draft(text, root / "text-draft", kind="llama"),
                 [{"prompt_token_ids": p} for p in TEXT_PROMPTS]),
     }
@@ -248,12 +285,14 @@ def speculative_pairs(tmp_path_factory):
 
 @BACKENDS
 @DTYPES
-@pytest.mark.parametrize("fmt", ["int4", "int4-a8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "int4-a8", "int8-all-a8", "fp8"])
 def test_greedy_speculation_on_a_quantized_target_is_lossless(speculative_pairs, fmt, cpu_kernels, dtype):
     skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
     target, draft, requests = speculative_pairs[fmt.removesuffix("-a8")]
     params = greedy(16)
     activations = {"activation_quantization": "int8"} if fmt.endswith("-a8") else {}
+    if fmt.startswith("int8-all"):
+        activations |= {"quantization": "int8", "quantized_layers": "all"}
     plain = LLM(str(target), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels, **activations)
     spec = LLM(str(target), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels, **activations,
                speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft), speculative_num_steps=3,
@@ -275,6 +314,61 @@ def test_int4_at_load_time_equals_the_compressed_tensors_checkpoint(kimi_int4):
     assert experts.w13.device.type == "meta"
     for a, b in zip(prompt_logits(at_load, KIMI_REQUESTS), prompt_logits(published, KIMI_REQUESTS)):
         assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def kimi_int4_all(tmp_path_factory):
+    """(plain bfloat16 checkpoint, every language-model linear layer compressed to int4 by
+    compressed-tensors, that one decompressed in float32) of a tiny Kimi-K2.5 whose widths are
+    multiples of the group of 32."""
+    root = tmp_path_factory.mktemp("kimi-int4-all")
+    write_kimi_k25_checkpoint(root / "bf16", {"q_lora_rank": 32, "kv_lora_rank": 32}, seed=11, dtype=torch.bfloat16,
+                              image_token_id=IMAGE_TOKEN)
+    write_int4_checkpoint(root / "bf16", root / "int4", layers="all")
+    return root / "bf16", root / "int4", write_decompressed_checkpoint(root / "int4", root / "reference")
+
+
+@BACKENDS
+def test_all_linear_int4_checkpoint_logits_match_transformers(kimi_int4_all, cpu_kernels):
+    """Attention, dense and shared MLPs and lm_head stored int4 too (the published layout's names on
+    every linear layer) load and match transformers on the decompressed weights."""
+    llm = LLM(str(kimi_int4_all[1]), dtype="float32", show_progress=False, cpu_kernels=cpu_kernels)
+    language_model = llm.engine.model.language_model
+    assert isinstance(language_model.lm_head.quantized_weight, QuantizedMatrix)
+    assert isinstance(language_model.model.layers[0].self_attn.kv_b_proj.quantized_weight, QuantizedMatrix)
+    reference = load_reference_kimi_k25(kimi_int4_all[2])
+    for request, logits in zip(KIMI_REQUESTS, prompt_logits(llm, KIMI_REQUESTS)):
+        with torch.no_grad():
+            expected = reference(**kimi_reference_inputs(llm, request)).logits[0].float()
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_all_linear_int4_at_load_time_equals_the_compressed_tensors_checkpoint(kimi_int4_all):
+    """``quantized_layers="all"``: every linear layer of the language model quantized at load gives
+    the codes and scales compressed-tensors wrote for them, so the same logits, bit for bit; the
+    vision tower and the router stay as loaded."""
+    at_load = LLM(str(kimi_int4_all[0]), dtype="bfloat16", show_progress=False, quantization="int4",
+                  quantized_layers="all")
+    published = LLM(str(kimi_int4_all[1]), dtype="bfloat16", show_progress=False)
+    model = at_load.engine.model
+    layer = model.language_model.model.layers[1]
+    held = [model.language_model.lm_head, layer.self_attn.o_proj, layer.self_attn.q_a_proj, layer.mlp.shared_experts.down_proj]
+    assert all(m.weight.device.type == "meta" and m.quantized_weight.format == "int4" for m in held)
+    assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.gate.weight.device.type == "cpu"
+    assert model.vision_tower.encoder.blocks[0].wqkv.weight.dtype == torch.bfloat16
+    for a, b in zip(prompt_logits(at_load, KIMI_REQUESTS), prompt_logits(published, KIMI_REQUESTS)):
+        assert torch.equal(a, b)
+
+
+@BACKENDS
+@DTYPES
+def test_all_linear_int4_a8_batch_invariance(kimi_int4_all, cpu_kernels, dtype):
+    """Every matrix of the language model in int4 against int8 activations: no bfloat16 GEMM left
+    in it, yet a row's bits still do not depend on its batch."""
+    skip_unless_bfloat16_is_row_exact(cpu_kernels, dtype)
+    llm = LLM(str(kimi_int4_all[0]), dtype=dtype, show_progress=False, cpu_kernels=cpu_kernels, quantization="int4",
+              quantized_layers="all", activation_quantization="int8")
+    assert_batch_invariant(llm, KIMI_REQUESTS)
 
 
 def test_roofline_counts_quantized_experts_as_stored(tmp_path):

@@ -15,7 +15,7 @@ from eaglet.backends.cpu.cache_ops import CpuCacheOps
 from eaglet.backends.cpu.decoder_stack import build_decoder_stack
 from eaglet.backends.cpu.layer_ops import CpuLayerOps
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
-from eaglet.backends.cpu.quantized_weights import KernelQuantizedLinear
+from eaglet.backends.cpu.quantized_weights import KernelQuantizedExperts, KernelQuantizedLinear
 from eaglet.backends.cpu.sampling_ops import CpuSamplingOps
 from eaglet.backends.cpu.spec_ops import CpuSpecOps
 from eaglet.backends.cpu.weights import CpuWeightMethods
@@ -64,7 +64,7 @@ def cpu_backend(int8_activations: bool = False) -> Backend:
         spec=CpuSpecOps(torch_ops.spec), cache=CpuCacheOps(torch_ops.cache),
         weights=QuantizedWeightMethods(
             CpuWeightMethods(torch_ops.weights.inner, tiles=kernels.tile_backend() is not None), KernelQuantizedLinear,
-            int8_activations=int8_activations,
+            int8_activations=int8_activations, experts=KernelQuantizedExperts,
         ),
         mla_attention=CpuMLAAttention, decoder_stack=build_decoder_stack, tile_gemm=kernels.tile_backend() is not None,
         int8_activations=int8_activations,

@@ -4,14 +4,16 @@ columns. Two formats:
 - ``int4``: compressed-tensors ``pack-quantized`` (Kimi-K2.5's routed experts). ``codes`` int32
   [..., out, in / 8], eight values per int32 stored as value + 8 in unsigned nibbles, the least
   significant nibble first along the input dimension; ``scales`` [..., out, in / group_size].
+- ``int8``: what ``--quantization int8`` makes at load time: ``codes`` int8 [..., out, in],
+  symmetric (compressed-tensors' rule, as for int4), ``scales`` [..., out, in / group_size].
 - ``fp8``: DeepSeek-V3's e4m3 block quantization. ``codes`` float8_e4m3fn [..., out, in]; the
   checkpoint's one ``weight_scale_inv`` per 128 x 128 block is kept per row ([..., out, ceil(in /
   128)] float32, 3% of the codes' bytes) so that matrices concatenate by rows at any row count
   (gate with up, q_a with kv_a) and every format is "one scale per row per column group".
 
 The weight is ``code * scale`` for each element; methods multiply by it without ever holding the
-whole matrix dequantized. Int4 weights can also meet their activations quantized to int8
-(``int8_activation_values``, W4A8, opt-in): llama.cpp's Q8_0 rule per block of 32 values.
+whole matrix dequantized. Integer weights can also meet their activations quantized to int8
+(``int8_activation_values``, W4A8 / W8A8, opt-in): llama.cpp's Q8_0 rule per block of 32 values.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 
 INT4_PER_INT32 = 8
 INT4_OFFSET = 8
-FORMATS = ("int4", "fp8")
+FORMATS = ("int4", "int8", "fp8")
+INTEGER_FORMATS = ("int4", "int8")  # the formats int8 activations run against
 ACTIVATION_BLOCK = 32  # activation values per int8 scale (W4A8)
 
 
@@ -60,7 +63,7 @@ class QuantizedMatrix:
         if self.format == "int4":
             values = unpack_int4(self.codes, self.in_features).float()
         else:
-            values = self.codes.float()
+            values = self.codes.float()  # int8 and fp8 codes hold one value each
         scales = self.scales.float().repeat_interleave(self.group_size, dim=-1)[..., : self.in_features]
         return (values * scales).to(dtype)
 
@@ -92,10 +95,22 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
     return QuantizedMatrix("int4", pack_int4(values), scales, group_size, weight.shape[-1])
 
 
+def quantize_int8(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
+    """Symmetric int8 of a [..., out, in] weight by compressed-tensors' rule for 8 bits: per group
+    a bfloat16 scale absmax / 127.5, values round(w / scale) clamped to [-128, 127]."""
+    if weight.shape[-1] % group_size:
+        raise ValueError(f"int8 groups of {group_size} columns do not divide a width of {weight.shape[-1]}")
+    groups = weight.reshape(*weight.shape[:-1], -1, group_size)
+    scales = (groups.float().abs().amax(-1) / 127.5).bfloat16()
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    values = (groups / scales[..., None]).round().clamp(-128, 127).reshape(weight.shape)
+    return QuantizedMatrix("int8", values.to(torch.int8), scales, group_size, weight.shape[-1])
+
+
 def int8_activation_values(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as W4A8 multiplies it, in float32: per row and block of 32 values a float32 scale
     d = absmax / 127 and codes round(x * (1 / d)) (ties to even), times d. The same arithmetic as
-    the int4_linear_a8 kernel's quantization, so both see the same int8 codes."""
+    the int4_linear_a8 / int8_linear_a8 kernels' quantization, so both see the same int8 codes."""
     rows, width = x.shape
     padded = -width % ACTIVATION_BLOCK
     blocks = torch.nn.functional.pad(x.float(), (0, padded)).view(rows, -1, ACTIVATION_BLOCK)

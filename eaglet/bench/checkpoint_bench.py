@@ -48,6 +48,13 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
             print(f"note: {notes[-1]}", flush=True)
         else:
             notes.append(f"--activation-quantization {args.activation_quantization}: not applied (no int4 weights)")
+    if args.quantized_layers == "all":
+        if ckpt.get("weight_format") == "int4":
+            ckpt = {**ckpt, "quantized_layers": "all"}
+            notes.append("eaglet: every linear layer int4 (quantized at load), not only the checkpoint's experts")
+            print(f"note: {notes[-1]}", flush=True)
+        else:
+            notes.append("--quantized-layers all: not applied (no int4 weights)")
     if hf_batches and ckpt.get("one_engine_at_a_time"):
         hf_batches = []
         notes.append("transformers: not run on a real-size checkpoint (it would hold a second, decompressed copy)")
@@ -148,7 +155,7 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
     add_ratios(rows, MATCHING_TYPE.get(weight_format))
     return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
             "params": params, "weight_format": weight_format, "activation_quantization": ckpt.get("activation_quantization"),
-            "rows": rows, "notes": notes,
+            "quantized_layers": ckpt.get("quantized_layers", "experts"), "rows": rows, "notes": notes,
             "llama_cpp_token_check": llama_check,
             "spec_shapes": shapes_record({m: shapes[m] for m in modes if m in shapes})}
 

@@ -25,6 +25,8 @@ def load_eaglet(ckpt: dict, mode: str, adaptive: bool, shape: Shape | None = Non
     kwargs: dict = {"dtype": ckpt["dtype"], "show_progress": False, "max_running_requests": 64}
     if ckpt.get("activation_quantization"):
         kwargs["activation_quantization"] = ckpt["activation_quantization"]
+    if ckpt.get("quantized_layers") == "all":
+        kwargs.update(quantization="int4", quantized_layers="all")
     if mode != "plain":
         steps, topk, draft_tokens = shape or SPEC_SHAPES[mode]
         kwargs.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(ckpt["draft"]),

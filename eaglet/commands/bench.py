@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "accepts every drafted token)")
     parser.add_argument("--activation-quantization", choices=("int8",), default=None,
                         help="eaglet's int4 checkpoints run W4A8 (int8 activations, as llama.cpp's Q4_0); others as stored")
+    parser.add_argument("--quantized-layers", choices=("experts", "all"), default="experts",
+                        help="all: eaglet quantizes every other linear layer of an int4 checkpoint to int4 at load "
+                             "(lm_head included), reading about what llama.cpp's Q4_0 file reads")
     parser.add_argument("--chain-shape", default=None,
                         help="the chain's num_steps,eagle_topk,num_draft_tokens (default 3,1,4; vLLM drafts num_steps)")
     parser.add_argument("--tree-shape", default=None, help="the tree's num_steps,eagle_topk,num_draft_tokens (default 4,2,8)")

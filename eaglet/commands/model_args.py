@@ -20,13 +20,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_log_level: str 
     group = parser.add_argument_group("model")
     group.add_argument("--model-path", help="checkpoint directory (default: the bundled demo model)")
     group.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    group.add_argument("--quantization", choices=("int4",), default=None,
+    group.add_argument("--quantization", choices=("int4", "int8"), default=None,
                        help="quantize a plain checkpoint's routed experts at load time (int4: Kimi-K2.5's published "
-                            "form, one bfloat16 scale per 32 columns); quantized checkpoints load as stored without it")
+                            "form, one bfloat16 scale per 32 columns; int8: the same rule in 8 bits); quantized "
+                            "checkpoints load as stored without it")
+    group.add_argument("--quantized-layers", choices=("experts", "all"), default="experts",
+                       help="what --quantization quantizes: the routed experts (as Kimi-K2.5 ships), or every linear "
+                            "layer of the language model, lm_head included (as llama.cpp's Q4_0 files; reads about "
+                            "half the bytes per step of a MoE model, at some accuracy)")
     group.add_argument("--activation-quantization", choices=("int8",), default=None,
-                       help="multiply int4 weights by activations quantized to int8 per block of 32 (W4A8, as "
-                            "llama.cpp's Q4_0 x Q8_0): faster on CPUs, but results differ slightly from the "
-                            "checkpoint's W4A16 arithmetic; still batch-invariant and lossless under speculation")
+                       help="multiply int4 / int8 weights by activations quantized to int8 per block of 32 (W4A8 / "
+                            "W8A8, as llama.cpp's Q4_0 / Q8_0 x Q8_0): faster on CPUs, but results differ slightly "
+                            "from W4A16 / W8A16 arithmetic; still batch-invariant and lossless under speculation")
     group.add_argument("--max-running-requests", type=positive_int, default=64)
     group.add_argument("--context-length", type=positive_int, default=None,
                        help="longest prompt + output (default: the model's max_position_embeddings)")
@@ -122,6 +127,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         model=model_path,
         dtype=args.dtype,
         quantization=args.quantization,
+        quantized_layers=args.quantized_layers,
         activation_quantization=args.activation_quantization,
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
@@ -170,7 +176,8 @@ def run_ranks_of_node(args: argparse.Namespace) -> int:
         int8_activations = int8_activations_for(config, Path(config.model))
         dtype = resolve_dtype(config.dtype, select_backend(config.cpu_kernels, int8_activations).tile_gemm)
         load = RankLoad(
-            config.model, str(dtype).removeprefix("torch."), config.cpu_kernels, config.quantization, int8_activations
+            config.model, str(dtype).removeprefix("torch."), config.cpu_kernels, config.load_time_quantization,
+            int8_activations,
         )
         logging.getLogger("eaglet").info("node %d: running ranks %s", config.node_rank, list(config.parallel.local_ranks))
         return run_node(config.parallel, load)

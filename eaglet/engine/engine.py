@@ -30,6 +30,7 @@ from eaglet.layers.logits_processor import LogitsRow, process_logits
 from eaglet.layers.sampler import sample
 from eaglet.models.deepseek_v3 import ForwardOutput
 from eaglet.models.eagle3 import load_eagle3_draft
+from eaglet.models.load_time_quantization import LoadTimeQuantization
 from eaglet.models.loader import read_checkpoint_tensor, skip_init
 from eaglet.models.registry import load_model, load_model_config, resolve_dtype
 from eaglet.multimodal.inputs import MultimodalInputs, expand_placeholders
@@ -70,10 +71,13 @@ class EngineConfig:
     # AVX512-BF16 or AVX2 the bfloat16 GEMMs and experts), built on first use; where they cannot be built
     # the engine logs why and runs the PyTorch ops.
     cpu_kernels: bool = True
-    # "int4": the target's plain routed experts quantized at load time (Kimi-K2.5's int4 form).
+    # "int4" / "int8": the target's plain matrices quantized at load time (Kimi-K2.5's int4 form, or
+    # int8 by its rule), those ``quantized_layers`` names: "experts" (the routed experts) or "all"
+    # (every linear layer).
     quantization: str | None = None
-    # "int8": the target's int4 matrices meet activations quantized to int8 per block of 32 (W4A8,
-    # llama.cpp's Q8_0 activations): faster, but no longer the checkpoint's W4A16 arithmetic.
+    quantized_layers: str = "experts"
+    # "int8": the target's int4 / int8 matrices meet activations quantized to int8 per block of 32
+    # (W4A8 / W8A8, llama.cpp's Q8_0 activations): faster, but no longer the W4A16 arithmetic.
     activation_quantization: str | None = None
     # Tensor parallelism (eaglet.distributed.parallel_config.ParallelConfig; SGLang's flag names).
     tp_size: int = 1
@@ -83,6 +87,14 @@ class EngineConfig:
     dist_init_addr: str | None = None
     cpu_omp_threads_bind: str | None = None
     dist_timeout_s: float = 60.0
+
+    @property
+    def load_time_quantization(self) -> LoadTimeQuantization | None:
+        if self.quantization is None:
+            if self.quantized_layers != "experts":
+                raise ConfigError(f"quantized_layers={self.quantized_layers!r} needs a quantization (int4)")
+            return None
+        return LoadTimeQuantization(self.quantization, self.quantized_layers)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -99,13 +111,14 @@ class Engine:
         if not model_dir.is_dir():
             raise ConfigError(f"model path {config.model!r} is not a directory")
         parallel = config.parallel
+        quantize = config.load_time_quantization
         int8_activations = int8_activations_for(config, model_dir)
         self.backend = select_backend(config.cpu_kernels, int8_activations)
         dtype = resolve_dtype(config.dtype, self.backend.tile_gemm)
         self.tp_group: RankGroup | None = None
         if parallel.tp_size > 1:
             load = RankLoad(
-                str(model_dir), str(dtype).removeprefix("torch."), config.cpu_kernels, config.quantization, int8_activations
+                str(model_dir), str(dtype).removeprefix("torch."), config.cpu_kernels, quantize, int8_activations
             )
             self.tp_group = RankGroup(parallel, load)
         try:
@@ -118,7 +131,7 @@ class Engine:
         tp = self.tp_group.tp if self.tp_group is not None else None
         try:
             self.model, self.model_config = load_model(
-                model_dir, dtype, backend=self.backend, show_progress=config.show_progress, quantize=config.quantization,
+                model_dir, dtype, backend=self.backend, show_progress=config.show_progress, quantize=config.load_time_quantization,
                 tp=tp,
             )
         except Exception as exc:
@@ -564,20 +577,20 @@ def _lm_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 
 def int8_activations_for(config: EngineConfig, model_dir: Path) -> bool:
-    """Whether the engine runs W4A8; refused where the target has no int4 matrices to run it on."""
+    """Whether the engine runs W4A8 / W8A8; refused where the target has no integer matrices to run it on."""
     if config.activation_quantization is None:
         return False
     if config.activation_quantization != "int8":
         raise ConfigError(
             f"activation_quantization={config.activation_quantization!r}: the one activation quantization is 'int8' "
-            "(W4A8, for int4 weights)"
+            "(W4A8 / W8A8, for int4 or int8 weights)"
         )
     scheme = load_model_config(model_dir).quantization
-    if config.quantization != "int4" and (scheme is None or scheme.format != "int4"):
+    if config.quantization not in ("int4", "int8") and (scheme is None or scheme.format != "int4"):
         stored = "no quantization_config" if scheme is None else f"{scheme.format} weights"
         raise ConfigError(
-            f"activation_quantization='int8' runs int4 weights against int8 activations, and {model_dir} has "
-            f"{stored}; add --quantization int4 to quantize its routed experts at load time"
+            f"activation_quantization='int8' runs int4 or int8 weights against int8 activations, and {model_dir} has "
+            f"{stored}; add --quantization int4 (or int8) to quantize its routed experts at load time"
         )
     return True
 

@@ -61,7 +61,7 @@ class RankLoad:
     model: str
     dtype: str  # as rank 0 resolved it
     cpu_kernels: bool
-    quantization: str | None
+    quantize: LoadTimeQuantization | None
     int8_activations: bool = False
 
 
@@ -133,7 +133,7 @@ def rank_main(spec: RankSpec) -> None:
     backend = select_backend(spec.load.cpu_kernels, spec.load.int8_activations)
     try:
         model, _ = load_model(
-            spec.load.model, spec.load.dtype, backend=backend, show_progress=False, quantize=spec.load.quantization, tp=joined.tp
+            spec.load.model, spec.load.dtype, backend=backend, show_progress=False, quantize=spec.load.quantize, tp=joined.tp
         )
         error = None
     except Exception as exc:  # reported to rank 0, which raises it

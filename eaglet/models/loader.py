@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from eaglet.distributed.tensor_parallel import TensorShard
 from eaglet.errors import CheckpointError
-from eaglet.models.load_time_quantization import quantize_routed_experts
+from eaglet.models.load_time_quantization import LoadTimeQuantization, quantize_at_load
 from eaglet.models.quantization import QuantScheme
 from eaglet.models.quantized_checkpoint import logical_view, partly_quantized, quantized_matrix, quantized_receivers
 
@@ -173,12 +173,12 @@ def load_weights(
     prefix: str = "",
     show_progress: bool = True,
     quantization: QuantScheme | None = None,
-    quantize: str | None = None,
+    quantize: LoadTimeQuantization | None = None,
 ) -> None:
     """Loads every tensor of ``model`` from the checkpoint. Weights the files store quantized (the
     scheme of config.json's ``quantization_config``) go to their modules as ``QuantizedMatrix``
-    (codes and scales as stored, never dequantized here). ``quantize`` ("int4") quantizes the plain
-    routed experts once read (``load_time_quantization``)."""
+    (codes and scales as stored, never dequantized here). ``quantize`` quantizes plain matrices
+    once read (``load_time_quantization``)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     targets = weight_targets(model, prefix)
@@ -258,7 +258,7 @@ def load_weights(
                     progress.update(1)
     progress.close()
     if quantize is not None:
-        quantize_routed_experts(model, quantize)
+        quantize_at_load(model, quantize)
     _tie(model)
     # Children first: a module that prepares itself from its children's weight methods (a decoder
     # stack) finds them made.

@@ -21,6 +21,7 @@ from eaglet.errors import ConfigError
 from eaglet.models.config import ModelConfig, read_config_json
 from eaglet.models.deepseek_v3 import DeepseekV3ForCausalLM, parse_deepseek_v3_config
 from eaglet.models.kimi_k25 import KimiK25ForConditionalGeneration, parse_kimi_k25_config
+from eaglet.models.load_time_quantization import LoadTimeQuantization
 from eaglet.models.loader import load_weights, skip_init
 
 
@@ -81,10 +82,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, backend: Backend, tp: T
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", *, backend: Backend, show_progress: bool = True,
-    quantize: str | None = None, tp: TensorParallel | None = None,
+    quantize: LoadTimeQuantization | None = None, tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """The model of a checkpoint directory, loaded; ``quantize`` ("int4"): its plain routed experts
-    quantized at load time; ``tp``: only this tensor-parallel rank's slices are read."""
+    """The model of a checkpoint directory, loaded; ``quantize``: its plain matrices quantized at
+    load time (``load_time_quantization``); ``tp``: only this tensor-parallel rank's slices are read."""
     raw = read_config_json(model_dir)
     entry = entry_for(raw)
     config = entry.parse_config(raw)

@@ -1,8 +1,9 @@
 """Tiny quantized checkpoints in the published layouts, made from the plain ones of ``checkpoints``.
 
-- ``write_int4_checkpoint``: Kimi-K2.5's int4 routed experts, compressed by the compressed-tensors
-  package's own pack-quantized compressor (scales from its ``calculate_qparams``), with the
-  ``quantization_config`` Kimi-K2.5 publishes (top level and ``text_config``).
+- ``write_int4_checkpoint``: Kimi-K2.5's int4 routed experts (or every linear layer of the language
+  model), compressed by the compressed-tensors package's own pack-quantized compressor (scales from
+  its ``calculate_qparams``), with the ``quantization_config`` Kimi-K2.5 publishes (top level and
+  ``text_config``).
 - ``write_decompressed_checkpoint``: the same model with every int4 weight decompressed by
   compressed-tensors in float32, as a plain checkpoint: what transformers runs as the reference.
 - ``write_fp8_checkpoint``: DeepSeek-V3's FP8: every decoder-layer linear weight in float8_e4m3fn
@@ -27,6 +28,8 @@ DECODER_LINEAR_WEIGHT = re.compile(
     r".*model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
     r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
 )
+LANGUAGE_MODEL_LINEAR_WEIGHT = re.compile(DECODER_LINEAR_WEIGHT.pattern + r"|.*lm_head\.weight$")
+ALL_LINEAR_IGNORE = ["re:.*vision_tower.*", "re:.*mm_projector.*", r"re:.*mlp\.gate$"]
 FP8_BLOCK = 128
 FP8_MAX = 448.0
 FP8_QUANTIZATION_CONFIG = {
@@ -42,26 +45,30 @@ def int4_scheme(group_size: int = 32):
     return QuantizationScheme(targets=["Linear"], weights=args, input_activations=None)
 
 
-def int4_quantization_config(group_size: int = 32) -> dict:
+def int4_quantization_config(group_size: int = 32, ignore: list[str] = KIMI_IGNORE) -> dict:
     """The ``quantization_config`` compressed-tensors writes for Kimi-K2.5's scheme."""
     from compressed_tensors.quantization import QuantizationConfig
 
     config = QuantizationConfig(
         config_groups={"group_0": int4_scheme(group_size)}, format="pack-quantized",
-        quantization_status="compressed", ignore=KIMI_IGNORE,
+        quantization_status="compressed", ignore=ignore,
     )
     return json.loads(json.dumps(config.model_dump(), default=str))
 
 
-def write_int4_checkpoint(src: PathLike, dst: PathLike, *, group_size: int = 32, num_shards: int = 3) -> pathlib.Path:
-    """The routed experts of the plain checkpoint ``src`` compressed to int4 by compressed-tensors."""
+def write_int4_checkpoint(
+    src: PathLike, dst: PathLike, *, group_size: int = 32, num_shards: int = 3, layers: str = "experts"
+) -> pathlib.Path:
+    """The routed experts (``layers="all"``: every linear layer of the language model, lm_head
+    included) of the plain checkpoint ``src`` compressed to int4 by compressed-tensors."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     scheme = int4_scheme(group_size)
     tensors: dict[str, torch.Tensor] = {}
+    quantized = ROUTED_EXPERT_WEIGHT if layers == "experts" else LANGUAGE_MODEL_LINEAR_WEIGHT
     for name, weight in read_checkpoint_tensors(src).items():
-        if not ROUTED_EXPERT_WEIGHT.match(name):
+        if not quantized.match(name):
             tensors[name] = weight
             continue
         groups = weight.float().reshape(weight.shape[0], -1, group_size)
@@ -73,7 +80,7 @@ def write_int4_checkpoint(src: PathLike, dst: PathLike, *, group_size: int = 32,
         tensors[base + "weight_packed"] = compressed["weight_packed"]
         tensors[base + "weight_scale"] = compressed["weight_scale"]
         tensors[base + "weight_shape"] = compressed["weight_shape"].to(torch.int32)  # as published
-    quantization = int4_quantization_config(group_size)
+    quantization = int4_quantization_config(group_size, KIMI_IGNORE if layers == "experts" else ALL_LINEAR_IGNORE)
 
     def add_config(config: dict) -> None:
         config["quantization_config"] = quantization

@@ -163,11 +163,14 @@ def batch_invariance(target: Path, draft: Path, prompts: list[dict[str, Any]], s
 
 
 def evaluate(target: Path, draft: Path, *, per_kind: int, num_prompts: int, dtype: str, tool_requests: int = 40,
-             quantization: str | None = None, log=print) -> dict[str, Any]:
-    """``quantization``: the target's routed experts quantized at load (``--quantization``); the
-    draft stays in ``dtype``."""
+             quantization: str | None = None, quantized_layers: str = "experts", log=print) -> dict[str, Any]:
+    """``quantization``: the target's matrices that ``quantized_layers`` names quantized at load
+    (``--quantization``, ``--quantized-layers``); the draft stays in ``dtype``."""
     report: dict[str, Any] = {"dtype": dtype, "quantization": quantization}
-    engine_kwargs: dict[str, Any] = {"quantization": quantization} if quantization else {}
+    engine_kwargs: dict[str, Any] = {}
+    if quantization:
+        engine_kwargs = {"quantization": quantization, "quantized_layers": quantized_layers}
+        report["quantized_layers"] = quantized_layers
     began = time.monotonic()
     plain = LLM(str(target), dtype=dtype, show_progress=False, **engine_kwargs)
     report["scene_accuracy"] = scene_accuracy(plain, held_out_scene_items(per_kind))
@@ -208,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tool-requests", type=int, default=40, help="held-out count_shapes requests")
     parser.add_argument("--skip-accept", action="store_true", help="accuracy only")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", choices=("int4",), default=None,
-                        help="quantize the target's routed experts at load, as `eaglet serve --quantization`")
+    parser.add_argument("--quantization", choices=("int4", "int8"), default=None,
+                        help="quantize the target at load, as `eaglet serve --quantization`")
+    parser.add_argument("--quantized-layers", choices=("experts", "all"), default="experts",
+                        help="what --quantization quantizes, as `eaglet serve --quantized-layers`")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     report = evaluate(args.target, args.draft if not args.skip_accept else Path("/nonexistent"), per_kind=args.per_kind,
                       num_prompts=args.prompts, dtype=args.dtype, tool_requests=args.tool_requests,
-                      quantization=args.quantization)
+                      quantization=args.quantization, quantized_layers=args.quantized_layers)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

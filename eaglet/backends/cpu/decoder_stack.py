@@ -5,10 +5,11 @@ A small model's decode step is dominated by Python: about 20 op calls and 8 modu
 layer, each some microseconds, around kernels that take tens. The stack runs the same kernels the
 layers reach one by one (norms, MLA projections and attention, routing, SwiGLU, routed experts),
 on the same inputs and in the same order, from C++: the same bits (tests/test_decoder_stack.py).
-It applies where every matrix of every layer is in tile layout, to every batch without autograd
-(prefill chunks, decode, verify, draft extends); under autograd the layers run one by one. It holds the tile copies the
-weight methods made: inference never changes a weight in place afterwards (draft training runs
-under autograd, which takes the layers).
+It applies where every matrix of every layer is in tile layout or quantized (int4, int8 or FP8, a
+layer's quantized matrices all alike), to every bfloat16 batch without autograd (prefill chunks,
+decode, verify, draft extends); under autograd the layers run one by one. It holds the tile copies
+and quantized matrices the weight methods made: inference never changes a weight in place
+afterwards (draft training runs under autograd, which takes the layers).
 """
 
 from __future__ import annotations
@@ -17,42 +18,85 @@ import torch
 
 from eaglet.backends.base import LinearMethod
 from eaglet.backends.cpu.mla_attention import CpuMLAAttention
+from eaglet.backends.cpu.quantized_weights import KernelQuantizedExperts, KernelQuantizedLinear
 from eaglet.backends.cpu.weights import TileExperts, TileLinear, TileSwiGLU
+from eaglet.backends.pytorch.weights import TorchSwiGLU
+from eaglet.backends.quantized_matrix import QuantizedMatrix
 from eaglet.backends.stack import StackConfig, StackLayer
 from eaglet.distributed.shm_communicator import ShmCommunicator
 from eaglet.runtime.forward_batch import ForwardBatch
 
 
-def _layer_weights(layer: StackLayer) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
-    """The layer's tensors by the roles DecoderStack.add_layer takes and its MLP sizes, or None where
-    one of its matrices is not in tile layout."""
-    matrices = (layer.first, layer.q_proj, layer.o_proj)
-    if not all(isinstance(m, TileLinear) for m in matrices):
+class _LayerMatrices:
+    """A layer's matrices by role as DecoderStack.add_layer takes them: ``role`` -> a tile copy, or
+    ``role_codes`` / ``role_scales`` -> a quantized matrix; all its quantized matrices alike."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.quant: set[tuple[str, int, bool]] = set()  # (format, group_size, int8_activations)
+
+    def add(self, role: str, method: object) -> bool:
+        """Takes ``method``'s matrix; False where it is in neither form."""
+        if isinstance(method, TileLinear):
+            self.tensors[role] = method.tiles
+            return True
+        if isinstance(method, KernelQuantizedLinear):
+            return self._add_quantized(role, method.weight, method.int8_activations)
+        return False
+
+    def add_experts(self, method: object) -> bool:
+        if isinstance(method, TileExperts):
+            self.tensors |= dict(zip(("experts_w13", "experts_w2"), method.tiles))
+            return True
+        if isinstance(method, KernelQuantizedExperts):
+            return (self._add_quantized("experts_w13", method.w13, method.int8_activations)
+                    and self._add_quantized("experts_w2", method.w2, method.int8_activations))
+        return False
+
+    def _add_quantized(self, role: str, matrix: QuantizedMatrix, int8_activations: bool) -> bool:
+        codes = matrix.codes if matrix.format != "fp8" else matrix.codes.view(torch.uint8)
+        self.tensors |= {f"{role}_codes": codes, f"{role}_scales": matrix.scales}
+        self.quant.add((matrix.format, matrix.group_size, int8_activations))
+        return len(self.quant) == 1
+
+    def layer_args(self) -> dict[str, str | int | bool]:
+        fmt, group, int8_activations = next(iter(self.quant)) if self.quant else ("", 0, False)
+        return {"quant_format": fmt, "quant_group": group, "int8_activations": int8_activations}
+
+
+def _layer_weights(layer: StackLayer) -> tuple[dict[str, torch.Tensor], dict[str, int | str | bool]] | None:
+    """The layer's tensors by the roles DecoderStack.add_layer takes and its other arguments, or
+    None where one of its matrices is neither in tile layout nor quantized alike."""
+    matrices = _LayerMatrices()
+    if not all(matrices.add(role, getattr(layer, role)) for role in ("first", "q_proj", "o_proj")):
         return None
     weights = {"input_norm": layer.input_norm, "post_norm": layer.post_norm, "kv_a_norm": layer.kv_a_norm,
-               "first": layer.first.tiles, "q_proj": layer.q_proj.tiles, "o_proj": layer.o_proj.tiles,
                "w_uk": layer.w_uk, "w_uv_t": layer.w_uv_t}
     optional = {"hidden_norm": layer.hidden_norm, "q_a_norm": layer.q_a_norm, "first_bias": layer.first_bias,
                 "o_bias": layer.o_bias}
     weights |= {name: t for name, t in optional.items() if t is not None}
     if layer.absorbed_projections:
         weights |= dict(zip(("uk_packed", "uv_packed"), layer.absorbed_projections))
-    if layer.mlp is not None:
-        if not isinstance(layer.mlp, TileSwiGLU):
-            return None
+    if isinstance(layer.mlp, TileSwiGLU):
         weights |= dict(zip(("mlp_w13", "mlp_w2"), layer.mlp.tiles))
+    elif isinstance(layer.mlp, TorchSwiGLU):
+        if not (matrices.add("mlp_w13", layer.mlp.gate_up) and matrices.add("mlp_w2", layer.mlp.down)):
+            return None
+    elif layer.mlp is not None:
+        return None
     if layer.experts is not None:
-        if not isinstance(layer.experts, TileExperts):
+        if not matrices.add_experts(layer.experts):
             return None
         weights |= {"router_weight": layer.router_weight, "router_bias": layer.router_bias}
-        weights |= dict(zip(("experts_w13", "experts_w2"), layer.experts.tiles))
-    sizes = {"mlp_inter": layer.mlp_inter if layer.mlp is not None else 0,
-             "expert_inter": layer.expert_inter if layer.experts is not None else 0}
-    return {name: t.detach() for name, t in weights.items()}, sizes
+    weights |= matrices.tensors
+    args = {"mlp_inter": layer.mlp_inter if layer.mlp is not None else 0,
+            "expert_inter": layer.expert_inter if layer.experts is not None else 0, **matrices.layer_args()}
+    return {name: t.detach() for name, t in weights.items()}, args
 
 
 def build_decoder_stack(config: StackConfig, layers: list[StackLayer]) -> CpuDecoderStack | None:
-    """The C++ stack of ``layers``; None if one of them has a matrix out of tile layout."""
+    """The C++ stack of ``layers``; None if one of them has a matrix neither in tile layout nor
+    quantized as the others."""
     if not layers or any(layer.input_norm.dtype != torch.bfloat16 for layer in layers):
         return None
     stack = torch.classes.eaglet.DecoderStack(
@@ -67,8 +111,8 @@ def build_decoder_stack(config: StackConfig, layers: list[StackLayer]) -> CpuDec
         entry = _layer_weights(layer)
         if entry is None:
             return None
-        weights, sizes = entry
-        stack.add_layer(weights, **sizes)
+        weights, args = entry
+        stack.add_layer(weights, **args)
     return CpuDecoderStack(stack)
 
 

@@ -2,7 +2,7 @@
 rows at a time and multiplies it in float32, so no full-precision
 copy of the matrix exists and a row's result does not depend on the other rows of its call (the
 rows are padded to ``MIN_GEMM_ROWS``, from which on MKL's float32 product rounds every row alike).
-With ``int8_activations`` an int4 matrix meets x rounded to W4A8's int8 values first.
+With ``int8_activations`` an int4 or int8 matrix meets x rounded to Q8_0's int8 values first.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from eaglet.backends.base import ExpertsMethod, LinearMethod, SwiGLUMethod, WeightMethods
 from eaglet.backends.pytorch.gemm_rows import MIN_GEMM_ROWS, rows_at_least
 from eaglet.backends.pytorch.weights import TorchSwiGLU
-from eaglet.backends.quantized_matrix import QuantizedMatrix, int8_activation_values
+from eaglet.backends.quantized_matrix import INTEGER_FORMATS, QuantizedMatrix, int8_activation_values
 
 # Output rows dequantized at a time: 128 rows of 7168 float32 values are 3.5 MB, about L2-L3 sized.
 TILE_ROWS = 128
@@ -28,7 +28,7 @@ class DequantizingLinear:
             raise ValueError(f"a quantized linear takes a 2-D matrix, got shape {list(weight.shape)}")
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = weight.shape
-        self.int8_activations = int8_activations and weight.format == "int4"
+        self.int8_activations = int8_activations and weight.format in INTEGER_FORMATS
 
     def apply_float(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 product [T, out] (bias added in float32)."""
@@ -57,7 +57,14 @@ class QuantizedExperts:
     in one product per matrix, then each token's experts summed in float32 in ascending expert id,
     an order that depends on the token's own routing only."""
 
-    def __init__(self, w13: QuantizedMatrix, w2: QuantizedMatrix, linear: Callable[[QuantizedMatrix], LinearMethod]) -> None:
+    def __init__(
+        self, w13: QuantizedMatrix, w2: QuantizedMatrix, linear: Callable[[QuantizedMatrix], LinearMethod],
+        int8_activations: bool = False,
+    ) -> None:
+        if (w13.format, w13.group_size) != (w2.format, w2.group_size):
+            raise ValueError("a layer's routed experts are quantized all alike")
+        self.w13, self.w2 = w13, w2
+        self.int8_activations = int8_activations and w13.format in INTEGER_FORMATS
         self.num_experts = w13.shape[0]
         self.per_expert = [
             TorchSwiGLU(linear(w13[e]), linear(w2[e])) for e in range(self.num_experts)
@@ -95,10 +102,15 @@ class QuantizedExperts:
 class QuantizedWeightMethods:
     """``WeightMethods`` that multiply quantized matrices with ``linear`` (a class like
     ``DequantizingLinear``, its int4 matrices against int8 activations where ``int8_activations``)
-    and hand every other matrix to ``inner``."""
+    and routed experts with ``experts`` (like ``QuantizedExperts``), and hand every other matrix to
+    ``inner``."""
 
-    def __init__(self, inner: WeightMethods, linear: type = DequantizingLinear, int8_activations: bool = False) -> None:
+    def __init__(
+        self, inner: WeightMethods, linear: type = DequantizingLinear, int8_activations: bool = False,
+        experts: type = QuantizedExperts,
+    ) -> None:
         self.inner, self.linear_type, self.int8_activations = inner, linear, int8_activations
+        self.experts_type = experts
 
     def linear_class(self, weight: QuantizedMatrix, bias: torch.Tensor | None = None) -> LinearMethod:
         return self.linear_type(weight, bias, int8_activations=self.int8_activations)
@@ -115,7 +127,7 @@ class QuantizedWeightMethods:
 
     def experts(self, w13: torch.Tensor | QuantizedMatrix, w2: torch.Tensor | QuantizedMatrix) -> ExpertsMethod:
         if isinstance(w13, QuantizedMatrix) and isinstance(w2, QuantizedMatrix):
-            return QuantizedExperts(w13, w2, self.linear_class)
+            return self.experts_type(w13, w2, self.linear_class, self.int8_activations)
         if isinstance(w13, QuantizedMatrix) or isinstance(w2, QuantizedMatrix):
             raise ValueError("a layer's routed experts are quantized all alike or not at all")
         return self.inner.experts(w13, w2)

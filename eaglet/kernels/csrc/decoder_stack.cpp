@@ -44,7 +44,34 @@ c10::optional<at::Tensor> optional_entry(const c10::Dict<std::string, at::Tensor
   return weights.contains(name) ? c10::optional<at::Tensor>(weights.at(name)) : c10::nullopt;
 }
 
+// The matrix of role `name`: its tile copy `name`, or quantized `name`_codes and `name`_scales.
+StackMatrix matrix_entry(const c10::Dict<std::string, at::Tensor>& weights, const std::string& name,
+                         const std::string& quant_format_name, int64_t quant_group, bool int8_activations) {
+  StackMatrix m;
+  if (!weights.contains(name + "_codes")) {
+    m.tiles = weights.at(name);
+    return m;
+  }
+  TORCH_CHECK(quant_group > 0, "DecoderStack.add_layer: ", name, " is quantized: quant_group > 0");
+  const QuantFormat format = quant_format(quant_format_name);
+  m.quantized = QuantMatrix{weights.at(name + "_codes"), weights.at(name + "_scales"), quant_group, format,
+                            int8_activations && format != QuantFormat::kFp8};
+  return m;
+}
+
+// The SwiGLU's fused tile kernel where both matrices are tile copies; else TorchSwiGLU's ops
+// around each matrix's linear (what the layers run one by one for a quantized matrix).
+at::Tensor swiglu(const at::Tensor& x, const StackMatrix& w13, const StackMatrix& w2, int64_t inter, int64_t hidden) {
+  if (!w13.quantized && !w2.quantized) return amx_swiglu(x, w13.tiles, w2.tiles, inter);
+  const at::Tensor gate_up = w13.linear(x, 2 * inter, c10::nullopt);
+  return w2.linear(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter), hidden, c10::nullopt);
+}
+
 }  // namespace
+
+at::Tensor StackMatrix::linear(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) const {
+  return quantized ? quantized->linear(x, bias) : amx_linear(x, tiles, n, bias);
+}
 
 DecoderStack::DecoderStack(const DecoderStackConfig& config)
     : hidden(config.hidden_size), heads(config.num_heads), nope(config.qk_nope_head_dim), rope(config.qk_rope_head_dim),
@@ -53,37 +80,45 @@ DecoderStack::DecoderStack(const DecoderStackConfig& config)
 
 // weights by role (see StackLayer); mlp_inter: the dense MLP's or shared experts' (0: no shared
 // experts), expert_inter: the routed experts' (0: a dense layer).
-void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights, int64_t mlp_inter, int64_t expert_inter) {
+// quant_format ("int4", "int8", "fp8" or ""), quant_group and int8_activations describe the layer's quantized
+// matrices (the roles given as codes and scales), all alike.
+void DecoderStack::add_layer(const c10::Dict<std::string, at::Tensor>& weights, int64_t mlp_inter, int64_t expert_inter,
+                             const std::string& quant_format, int64_t quant_group, bool int8_activations) {
+  const auto matrix = [&](const std::string& name) {
+    return matrix_entry(weights, name, quant_format, quant_group, int8_activations);
+  };
   StackLayer layer;
   layer.input_norm = weights.at("input_norm");
   layer.post_norm = weights.at("post_norm");
   layer.kv_a_norm = weights.at("kv_a_norm");
   if (weights.contains("hidden_norm")) layer.hidden_norm = weights.at("hidden_norm");
-  layer.first = weights.at("first");
+  layer.first = matrix("first");
   layer.first_bias = optional_entry(weights, "first_bias");
-  layer.q_proj = weights.at("q_proj");
+  layer.q_proj = matrix("q_proj");
   if (q_lora) layer.q_a_norm = weights.at("q_a_norm");
   layer.attention = {.w_uk = weights.at("w_uk"),
                      .w_uv_t = weights.at("w_uv_t"),
                      .w_uk_packed = optional_entry(weights, "uk_packed"),
                      .w_uv_packed = optional_entry(weights, "uv_packed"),
                      .scale = scaling};
-  layer.o_proj = weights.at("o_proj");
+  layer.o_proj = matrix("o_proj");
   layer.o_bias = optional_entry(weights, "o_bias");
   layer.mlp_inter = mlp_inter;
   layer.expert_inter = expert_inter;
   layer.moe = expert_inter > 0;
   if (layer.mlp_inter) {
-    layer.mlp_w13 = weights.at("mlp_w13");
-    layer.mlp_w2 = weights.at("mlp_w2");
+    layer.mlp_w13 = matrix("mlp_w13");
+    layer.mlp_w2 = matrix("mlp_w2");
   }
   if (layer.moe) {
     layer.router_weight = weights.at("router_weight");
     layer.router_bias = weights.at("router_bias");
-    layer.experts_w13 = weights.at("experts_w13");
-    layer.experts_w2 = weights.at("experts_w2");
+    layer.experts_w13 = matrix("experts_w13");
+    layer.experts_w2 = matrix("experts_w2");
   }
   TORCH_CHECK(layer.moe || layer.mlp_inter, "DecoderStack.add_layer: a layer needs a dense MLP or experts");
+  TORCH_CHECK(!layer.moe || layer.experts_w13.quantized.has_value() == layer.experts_w2.quantized.has_value(),
+              "DecoderStack.add_layer: routed experts quantized all alike or not at all");
   layers.push_back(std::move(layer));
 }
 
@@ -132,10 +167,10 @@ void DecoderStack::check_inputs(const at::Tensor& h, const at::Tensor& kv) const
 at::Tensor DecoderStack::layer_forward(const StackLayer& l, int64_t index, const at::Tensor& x, at::Tensor h, const at::Tensor& cos,
                                        const at::Tensor& sin, const AbsorbedBatch& batch) {
   const int64_t tokens = h.size(0), offset = q_lora ? q_lora : 0;
-  const at::Tensor down = traced("eaglet.stack.down_proj", [&] { return amx_linear(x, l.first, offset + latent + rope, l.first_bias); });
+  const at::Tensor down = traced("eaglet.stack.down_proj", [&] { return l.first.linear(x, offset + latent + rope, l.first_bias); });
   const at::Tensor q = traced("eaglet.stack.q_proj", [&] {
     const at::Tensor q_in = q_lora ? rms_norm(down.narrow(1, 0, q_lora), l.q_a_norm, eps) : x;
-    return amx_linear(q_in, l.q_proj, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
+    return l.q_proj.linear(q_in, heads * (nope + rope), c10::nullopt).view({tokens, heads, nope + rope});
   });
   at::Tensor layer_kv = batch.kv.select(0, index);
   const at::Tensor q_pe = traced("eaglet.stack.rope_and_cache_write", [&] {
@@ -148,7 +183,7 @@ at::Tensor DecoderStack::layer_forward(const StackLayer& l, int64_t index, const
     return mla_absorbed_attention(q.narrow(2, 0, nope), q_pe, layer_kv, l.attention, batch.attention);
   });
   h = traced("eaglet.stack.o_proj", [&] {
-    return add_bf16(h, reduced(amx_linear(attn.view({tokens, heads * value}), l.o_proj, hidden, l.o_bias)));
+    return add_bf16(h, reduced(l.o_proj.linear(attn.view({tokens, heads * value}), hidden, l.o_bias)));
   });
   const at::Tensor y = rms_norm(h, l.post_norm, eps);
   at::Tensor mlp;
@@ -157,11 +192,15 @@ at::Tensor DecoderStack::layer_forward(const StackLayer& l, int64_t index, const
       return noaux_route(y, l.router_weight, l.router_bias, router);
     });
     mlp = traced("eaglet.stack.routed_experts", [&] {
-      return moe_routed_experts(y, l.experts_w13, l.experts_w2, std::get<0>(route), std::get<1>(route), l.expert_inter);
+      const auto& [weights, ids] = route;
+      if (l.experts_w13.quantized) return quantized_routed_experts(y, *l.experts_w13.quantized, *l.experts_w2.quantized, weights, ids);
+      return moe_routed_experts(y, l.experts_w13.tiles, l.experts_w2.tiles, weights, ids, l.expert_inter);
     });
-    if (l.mlp_inter) mlp = traced("eaglet.stack.shared_experts", [&] { return add_bf16(mlp, amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter)); });
+    if (l.mlp_inter) {
+      mlp = traced("eaglet.stack.shared_experts", [&] { return add_bf16(mlp, swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter, hidden)); });
+    }
   } else {
-    mlp = traced("eaglet.stack.mlp", [&] { return amx_swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter); });
+    mlp = traced("eaglet.stack.mlp", [&] { return swiglu(y, l.mlp_w13, l.mlp_w2, l.mlp_inter, hidden); });
   }
   return add_bf16(h, reduced(mlp));
 }

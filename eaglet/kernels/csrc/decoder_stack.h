@@ -22,21 +22,31 @@ struct DecoderStackConfig {
   RouterConfig router;  // the MoE layers' routing
 };
 
-// The weights of one DeepSeek-V3 decoder layer in the forms the kernels take (AMX tile
-// copies for every bfloat16 matrix), for DecoderStack.
+// A matrix of a stack layer: the tile copy of a bfloat16 matrix, or a quantized matrix as the
+// checkpoint stores it (a layer may hold both kinds).
+struct StackMatrix {
+  at::Tensor tiles;
+  c10::optional<QuantMatrix> quantized;
+  // x times the matrix's transpose (+ bias), in x's dtype: amx_linear, or QuantMatrix::linear.
+  at::Tensor linear(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) const;
+};
+
+// The weights of one DeepSeek-V3 decoder layer in the forms the kernels take, for DecoderStack.
 struct StackLayer {
   at::Tensor input_norm, post_norm, kv_a_norm;
   at::Tensor hidden_norm;  // the EAGLE-3 midlayer's norm of the fed-back hidden (undefined otherwise)
-  at::Tensor first;  // packed [q_a; kv_a] (with q_lora) or kv_a: the down-projections of x
+  StackMatrix first;  // [q_a; kv_a] (with q_lora) or kv_a: the down-projections of x
   c10::optional<at::Tensor> first_bias;
-  at::Tensor q_proj, q_a_norm;  // q_proj: packed q_b_proj (with q_lora) or q_proj
+  StackMatrix q_proj;  // q_b_proj (with q_lora) or q_proj
+  at::Tensor q_a_norm;
   AbsorbedLayer attention;  // W_UK, W_UV^T, their tile copies and the softmax scale
-  at::Tensor o_proj;
+  StackMatrix o_proj;
   c10::optional<at::Tensor> o_bias;
-  at::Tensor mlp_w13, mlp_w2;  // the dense SwiGLU, or the shared experts of a MoE layer (if any)
+  StackMatrix mlp_w13, mlp_w2;  // the dense SwiGLU, or the shared experts of a MoE layer (if any)
   int64_t mlp_inter = 0;
   bool moe = false;
-  at::Tensor router_weight, router_bias, experts_w13, experts_w2;
+  at::Tensor router_weight, router_bias;
+  StackMatrix experts_w13, experts_w2;  // [E, ...]: tile copies stacked, or quantized stacks
   int64_t expert_inter = 0;
 };
 
@@ -96,7 +106,8 @@ struct DecoderStack : torch::CustomClassHolder {
   c10::optional<ShmGroup> group;
 
   explicit DecoderStack(const DecoderStackConfig& config);
-  void add_layer(const c10::Dict<std::string, at::Tensor>& weights, int64_t mlp_inter, int64_t expert_inter);
+  void add_layer(const c10::Dict<std::string, at::Tensor>& weights, int64_t mlp_inter, int64_t expert_inter,
+                 const std::string& quant_format, int64_t quant_group, bool int8_activations);
   void set_draft_head(const DraftHead& head);
   void set_tensor_parallel(const ShmGroup& shm_group) { group = shm_group; }
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }

@@ -42,18 +42,7 @@ struct Int8Rows {
     std::vector<int8_t> codes(blocks * kBlock);
     std::vector<float> block_scale(blocks);
     for (int64_t r = 0; r < m; ++r) {
-      const float* row = src + r * k;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t start = b * kBlock, stop = std::min(k, start + kBlock);
-        float absmax = 0.0f;
-        for (int64_t i = start; i < stop; ++i) absmax = std::max(absmax, std::fabs(row[i]));
-        const float d = absmax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-        block_scale[b] = d;
-        for (int64_t i = start; i < start + kBlock; ++i) {
-          const float q = i < stop ? std::nearbyint(row[i] * inverse) : 0.0f;
-          codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
-        }
-      }
+      quantize_q8_0(src + r * k, k, blocks, codes.data(), block_scale.data());
       for (int64_t c = 0; c < chunks; ++c) {
         const int8_t* chunk = codes.data() + c * kChunk;
         const int64_t at = (r * chunks + c) * 32;

@@ -6,6 +6,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -63,6 +64,22 @@ inline void prefetch_ahead(const int32_t* codes, int64_t w0, int64_t words, int6
   _mm_prefetch(reinterpret_cast<const char*>(codes + rows_ahead * words + w0), _MM_HINT_T0);
 }
 #endif
+
+// One row's k values as llama.cpp's Q8_0 quantizes them, per block of 32 (the last block padded
+// with zeros): a float32 scale d = absmax / 127 and codes round(x * (1 / d)), ties to even.
+inline void quantize_q8_0(const float* row, int64_t k, int64_t blocks, int8_t* codes, float* block_scale) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = b * 32, stop = std::min(k, start + 32);
+    float absmax = 0.0f;
+    for (int64_t i = start; i < stop; ++i) absmax = std::max(absmax, std::fabs(row[i]));
+    const float d = absmax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    block_scale[b] = d;
+    for (int64_t i = start; i < start + 32; ++i) {
+      const float q = i < stop ? std::nearbyint(row[i] * inverse) : 0.0f;
+      codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+    }
+  }
+}
 
 inline void check_common(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group, const char* op) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,

@@ -83,6 +83,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
 // gemm_int4_a8.cpp: int4_linear's weights against x quantized per row to int8 in blocks of 32 (W4A8)
 at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
+// gemm_int8.cpp: int8 codes [N, K] (W8A16), and against x quantized as int4_linear_a8's (W8A8)
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
+at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
+
+// quant_layers.cpp: a quantized matrix as QuantizedMatrix holds it (codes: int4 int32 [.., N, K / 8],
+// int8 [.., N, K], or fp8 as uint8 [.., N, K]; scales [.., N, K / group]) and how the kernels multiply it.
+enum class QuantFormat { kInt4, kInt8, kFp8 };
+QuantFormat quant_format(const std::string& name);  // "int4", "int8" or "fp8"
+struct QuantMatrix {
+  at::Tensor codes, scales;
+  int64_t group;
+  QuantFormat format;
+  bool int8_activations;  // W4A8 / W8A8 (integer formats only)
+  QuantMatrix expert(int64_t e) const;  // one matrix of an [E, N, K'] stack
+  at::Tensor product(const at::Tensor& x) const;  // float32 [M, N]
+  at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& bias) const;  // in x's dtype
+};
+at::Tensor quantized_swiglu(const at::Tensor& x, const QuantMatrix& w13, const QuantMatrix& w2);
+at::Tensor quantized_routed_experts(const at::Tensor& x, const QuantMatrix& w13, const QuantMatrix& w2,
+                                    const at::Tensor& weights, const at::Tensor& ids);
+at::Tensor quantized_routed_experts_op(const at::Tensor& x, const at::Tensor& w13_codes, const at::Tensor& w13_scales,
+                                       const at::Tensor& w2_codes, const at::Tensor& w2_scales, int64_t group,
+                                       const std::string& format, bool int8_activations, const at::Tensor& weights,
+                                       const at::Tensor& ids);
 
 // moe.cpp
 at::Tensor amx_swiglu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t inter);

@@ -64,7 +64,9 @@ TORCH_LIBRARY(eaglet, m) {
                 torch::arg("v_head_dim"), torch::arg("kv_lora_rank"), torch::arg("q_lora_rank"), torch::arg("rope_interleave"),
                 torch::arg("rms_norm_eps"), torch::arg("softmax_scale"), torch::arg("num_experts_per_tok"), torch::arg("n_group"),
                 torch::arg("topk_group"), torch::arg("norm_topk_prob"), torch::arg("routed_scaling_factor")})
-      .def("add_layer", &DecoderStack::add_layer, "", {torch::arg("weights"), torch::arg("mlp_inter"), torch::arg("expert_inter")})
+      .def("add_layer", &DecoderStack::add_layer, "",
+           {torch::arg("weights"), torch::arg("mlp_inter"), torch::arg("expert_inter"), torch::arg("quant_format"),
+            torch::arg("quant_group"), torch::arg("int8_activations")})
       .def("set_draft_head",
            [](const Stack& self, c10::optional<at::Tensor> fc, int64_t fc_out, at::Tensor embed, at::Tensor norm_weight,
               double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
@@ -211,7 +213,11 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
   m.def("int4_linear_a8(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
+  m.def("int8_linear_a8(Tensor x, Tensor codes, Tensor scales, int group) -> Tensor");
   m.def("moe_routed_experts(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, int inter) -> Tensor");
+  m.def("quantized_routed_experts(Tensor x, Tensor w13_codes, Tensor w13_scales, Tensor w2_codes, Tensor w2_scales, "
+        "int group, str format, bool int8_activations, Tensor weights, Tensor ids) -> Tensor");
   m.def("mla_absorbed_attention(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor w_uk, Tensor w_uv_t, Tensor slots, Tensor kv_lens, Tensor token_starts, Tensor? custom_mask, float scale, Tensor? w_uk_packed=None, Tensor? w_uv_packed=None) -> Tensor");
 }
 
@@ -230,6 +236,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("noaux_route", noaux_route_op);
   m.impl("mla_absorbed_attention", mla_absorbed_attention_op);
   m.impl("moe_routed_experts", moe_routed_experts);
+  m.impl("quantized_routed_experts", quantized_routed_experts_op);
   m.impl("rope_query_key", rope_query_key);
   m.impl("mla_cache_write", mla_cache_write);
   m.impl("amx_pack_weight", amx_pack_weight);
@@ -241,4 +248,6 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("fp8_linear", fp8_linear);
   m.impl("int4_linear_a8", int4_linear_a8);
+  m.impl("int8_linear", int8_linear);
+  m.impl("int8_linear_a8", int8_linear_a8);
 }
