@@ -66,6 +66,23 @@ def test_add_layer_takes_its_sizes_by_name():
     assert stack.num_layers() == 1
 
 
+def test_add_layer_checks_its_quantized_roles():
+    """A role given as codes and scales needs a known format and a group; a layer's routed experts
+    are all tile copies or all quantized."""
+    quantized = _midlayer_weights() | {"o_proj_codes": torch.zeros(1), "o_proj_scales": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match="quantized matrix format 'int4', 'int8' or 'fp8', got 'int3'"):
+        _empty_stack().add_layer(quantized, mlp_inter=4, expert_inter=0, quant_format="int3", quant_group=32)
+    with pytest.raises(RuntimeError, match="o_proj is quantized: quant_group > 0"):
+        _empty_stack().add_layer(quantized, mlp_inter=4, expert_inter=0, quant_format="int4")
+    moe = _midlayer_weights() | {"router_weight": torch.zeros(1), "router_bias": torch.zeros(1), "experts_w13": torch.zeros(1),
+                                 "experts_w2_codes": torch.zeros(1), "experts_w2_scales": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match="routed experts quantized all alike or not at all"):
+        _empty_stack().add_layer(moe, mlp_inter=0, expert_inter=4, quant_format="int4", quant_group=32)
+    stack = _empty_stack()
+    stack.add_layer(quantized, mlp_inter=4, expert_inter=0, quant_format="int8", quant_group=32, int8_activations=True)
+    assert stack.num_layers() == 1
+
+
 def test_forwards_check_their_named_inputs():
     stack = _stack()
     hidden = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)

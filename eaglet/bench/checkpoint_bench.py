@@ -152,7 +152,8 @@ def bench_checkpoint(name: str, ckpt: dict, args: argparse.Namespace, modes: lis
     if args.llama_cpp_batch_sizes and text_ids:
         llama_rows, llama_check = llama_cpp_rows(name, ckpt, prompts_all, args, weight_format, params, notes)
         rows += llama_rows
-    add_ratios(rows, MATCHING_TYPE.get(weight_format))
+    # Every linear layer int4 reads what llama.cpp's all-4-bit file reads, not the experts-only one.
+    add_ratios(rows, "q4_0" if ckpt.get("quantized_layers") == "all" else MATCHING_TYPE.get(weight_format))
     return {"checkpoint": name, "target": str(ckpt["target"]), "dtype": str(dtype).removeprefix("torch."),
             "params": params, "weight_format": weight_format, "activation_quantization": ckpt.get("activation_quantization"),
             "quantized_layers": ckpt.get("quantized_layers", "experts"), "rows": rows, "notes": notes,

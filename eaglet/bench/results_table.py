@@ -45,6 +45,7 @@ def print_table(record: dict) -> None:
           "included); bookkeep = share of a speculative round outside the draft and verify forwards; /plain = tok/s "
           "over the same engine's plain decoding; /HF, /vLLM = eaglet tok/s over transformers, vLLM at that batch "
           "size (vLLM's EAGLE-3 chain for eaglet's chain and adaptive rows, its plain decoding otherwise); /llama = "
-          "eaglet over llama.cpp's decoding of the GGUF type with eaglet's weight format (f32, bf16, q4_0-experts for int4); "
+          "eaglet over llama.cpp's decoding of the GGUF type with eaglet's weight format (f32, bf16, q4_0-experts for int4 "
+          "experts, q4_0 under --quantized-layers all); "
           "prefill rows: tok/s = prompt tokens/s of one --prefill-len prompt; GB/s = bytes a plain decode step "
           "must read / step time; /floor = step time / (those bytes / read bandwidth)")

@@ -65,8 +65,8 @@ TORCH_LIBRARY(eaglet, m) {
                 torch::arg("rms_norm_eps"), torch::arg("softmax_scale"), torch::arg("num_experts_per_tok"), torch::arg("n_group"),
                 torch::arg("topk_group"), torch::arg("norm_topk_prob"), torch::arg("routed_scaling_factor")})
       .def("add_layer", &DecoderStack::add_layer, "",
-           {torch::arg("weights"), torch::arg("mlp_inter"), torch::arg("expert_inter"), torch::arg("quant_format"),
-            torch::arg("quant_group"), torch::arg("int8_activations")})
+           {torch::arg("weights"), torch::arg("mlp_inter"), torch::arg("expert_inter"), torch::arg("quant_format") = std::string(),
+            torch::arg("quant_group") = 0, torch::arg("int8_activations") = false})
       .def("set_draft_head",
            [](const Stack& self, c10::optional<at::Tensor> fc, int64_t fc_out, at::Tensor embed, at::Tensor norm_weight,
               double norm_eps, at::Tensor lm_head, int64_t vocab, c10::optional<at::Tensor> lm_head_bias, at::Tensor d2t,
