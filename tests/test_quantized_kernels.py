@@ -143,25 +143,6 @@ def test_int8_product(linear, group_size, in_features, dtype, int8_activations):
         assert (out - exact).norm() < 0.02 * exact.norm()
 
 
-@pytest.mark.parametrize("int8_activations", [False, True], ids=["w8a16", "w8a8"])
-def test_int8_rows_do_not_depend_on_batch_or_threads(int8_activations):
-    needs_kernels(KernelQuantizedLinear)
-    matrix = int8_matrix(1003, 1024, 32, seed=5)
-    method = KernelQuantizedLinear(matrix, int8_activations=int8_activations)
-    x = torch.randn(7, 1024).bfloat16()
-    batched = method.apply_float(x)
-    for i in range(7):
-        assert torch.equal(method.apply_float(x[i : i + 1]), batched[i : i + 1])
-        assert torch.equal(method.apply_float(x[i:]), batched[i:])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one_thread = method.apply_float(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one_thread, batched)
-
-
 def test_int8_kernel_refuses_a_width_of_partial_blocks():
     needs_kernels(KernelQuantizedLinear)
     codes, scales = torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 2, dtype=torch.bfloat16)
@@ -214,12 +195,13 @@ def test_int8_activations_leave_fp8_weights_in_float():
                        KernelQuantizedLinear(matrix).apply_float(x))
 
 
-def test_int4_a8_rows_do_not_depend_on_batch_or_threads():
+@pytest.mark.parametrize("fmt", ["int4-a8", "int8", "int8-a8"])
+def test_integer_rows_do_not_depend_on_batch_or_threads(fmt):
     """Each row alone, in any batch and on one thread or several: the same bits (outputs split over
     threads with ragged ends, rows 1 to 7 taking every register block)."""
     needs_kernels(KernelQuantizedLinear)
-    matrix = int4_matrix(1003, 1024, 32, seed=5)
-    method = KernelQuantizedLinear(matrix, int8_activations=True)
+    matrix = (int4_matrix if fmt.startswith("int4") else int8_matrix)(1003, 1024, 32, seed=5)
+    method = KernelQuantizedLinear(matrix, int8_activations=fmt.endswith("-a8"))
     x = torch.randn(7, 1024).bfloat16()
     batched = method.apply_float(x)
     for i in range(7):

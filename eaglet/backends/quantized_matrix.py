@@ -85,26 +85,28 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
     """Symmetric int4 of a [..., out, in] weight by compressed-tensors' rule: per group of
     ``group_size`` columns a bfloat16 scale absmax / 7.5, values round(w / scale) clamped to [-8, 7]."""
-    if weight.shape[-1] % group_size:
-        raise ValueError(f"int4 groups of {group_size} columns do not divide a width of {weight.shape[-1]}")
-    groups = weight.reshape(*weight.shape[:-1], -1, group_size)
-    scales = (groups.float().abs().amax(-1) / 7.5).bfloat16()
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    # Divided in the weight's dtype (bfloat16 / bfloat16 rounds to bfloat16), as compressed-tensors does.
-    values = (groups / scales[..., None]).round().clamp(-8, 7).reshape(weight.shape)
+    values, scales = _symmetric_groups(weight, group_size, 4)
     return QuantizedMatrix("int4", pack_int4(values), scales, group_size, weight.shape[-1])
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int) -> QuantizedMatrix:
-    """Symmetric int8 of a [..., out, in] weight by compressed-tensors' rule for 8 bits: per group
-    a bfloat16 scale absmax / 127.5, values round(w / scale) clamped to [-128, 127]."""
-    if weight.shape[-1] % group_size:
-        raise ValueError(f"int8 groups of {group_size} columns do not divide a width of {weight.shape[-1]}")
-    groups = weight.reshape(*weight.shape[:-1], -1, group_size)
-    scales = (groups.float().abs().amax(-1) / 127.5).bfloat16()
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    values = (groups / scales[..., None]).round().clamp(-128, 127).reshape(weight.shape)
+    """Symmetric int8 of a [..., out, in] weight by the same rule in 8 bits: per group a bfloat16
+    scale absmax / 127.5, values round(w / scale) clamped to [-128, 127]."""
+    values, scales = _symmetric_groups(weight, group_size, 8)
     return QuantizedMatrix("int8", values.to(torch.int8), scales, group_size, weight.shape[-1])
+
+
+def _symmetric_groups(weight: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, bfloat16 scales) of compressed-tensors' symmetric rule for ``bits`` per group of columns."""
+    if weight.shape[-1] % group_size:
+        raise ValueError(f"groups of {group_size} columns do not divide a width of {weight.shape[-1]}")
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    groups = weight.reshape(*weight.shape[:-1], -1, group_size)
+    scales = (groups.float().abs().amax(-1) / ((high - low) / 2)).bfloat16()
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    # Divided in the weight's dtype (bfloat16 / bfloat16 rounds to bfloat16), as compressed-tensors does.
+    values = (groups / scales[..., None]).round().clamp(low, high).reshape(weight.shape)
+    return values, scales
 
 
 def int8_activation_values(x: torch.Tensor) -> torch.Tensor:

@@ -110,10 +110,7 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
   constexpr int nr = NR, nc = NC;
 #if defined(EAGLET_QUANT_AVX2)
   __m256 acc[NR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_sums(acc);
   const int64_t full = words / 8;
   // Chunks in pairs, the first prefetching the next rows' line (two chunks of a row are one line).
   int64_t c = 0;
@@ -123,10 +120,7 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
   }
   if (c < full) int4_a8_chunk<NR, NC, false, true>(rows, r0, c++, codes, scales, words, groups, half_group, acc);
   if (c < rows.chunks) int4_a8_chunk<NR, NC, true, false>(rows, r0, c, codes, scales, words, groups, half_group, acc);
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+  store_sums(acc, r0, out, out_stride);
 #else
   for (int j = 0; j < nc; ++j) {
     const int32_t* row_codes = codes + j * words;
@@ -151,7 +145,7 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
         }
       }
       out[(r0 + r) * out_stride + j] =
-          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+          reduce8(acc);
     }
   }
 #endif

@@ -57,10 +57,7 @@ void w8a16_block(const FloatRows& rows, int64_t r0, const int8_t* codes, const S
   const int64_t k = rows.k, blocks = k / kBlock;
 #if defined(EAGLET_QUANT_AVX2)
   __m256 acc[NR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_sums(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 w[NC][4];
     __m256 scale[NC];
@@ -86,10 +83,7 @@ void w8a16_block(const FloatRows& rows, int64_t r0, const int8_t* codes, const S
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+  store_sums(acc, r0, out, out_stride);
 #else
   for (int j = 0; j < nc; ++j) {
     for (int r = 0; r < nr; ++r) {
@@ -104,7 +98,7 @@ void w8a16_block(const FloatRows& rows, int64_t r0, const int8_t* codes, const S
           acc[l] = std::fma(dot, s, acc[l]);
         }
       }
-      out[(r0 + r) * out_stride + j] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      out[(r0 + r) * out_stride + j] = reduce8(acc);
     }
   }
 #endif
@@ -119,10 +113,7 @@ void w8a8_block(const Q8Rows& rows, int64_t r0, const int8_t* codes, const S* sc
 #if defined(EAGLET_QUANT_AVX2)
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_sums(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i w[NC], w_abs[NC];
     __m256 scale[NC];
@@ -147,10 +138,7 @@ void w8a8_block(const Q8Rows& rows, int64_t r0, const int8_t* codes, const S* sc
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+  store_sums(acc, r0, out, out_stride);
 #else
   for (int j = 0; j < nc; ++j) {
     for (int r = 0; r < nr; ++r) {
@@ -167,7 +155,7 @@ void w8a8_block(const Q8Rows& rows, int64_t r0, const int8_t* codes, const S* sc
           acc[l] = std::fma(static_cast<float>(sum) * xs, s, acc[l]);
         }
       }
-      out[(r0 + r) * out_stride + j] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      out[(r0 + r) * out_stride + j] = reduce8(acc);
     }
   }
 #endif
@@ -204,11 +192,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& codes, const at::
       }
     });
   };
-  if (scales.scalar_type() == at::kBFloat16) {
-    run(scales.data_ptr<at::BFloat16>());
-  } else {
-    run(scales.data_ptr<float>());
-  }
+  with_scales(scales, run);
   return out;
 }
 

@@ -59,10 +59,7 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
   constexpr int nr = NR, nc = NC;
 #if defined(EAGLET_QUANT_AVX2)
   __m256 acc[NR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_sums(acc);
   const __m256i low4 = _mm256_set1_epi32(0xF);
   const int64_t x_stride = rows.chunks * kChunk;
   for (int64_t c = 0; c < rows.chunks; ++c) {
@@ -102,10 +99,7 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < nr; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < nc; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+  store_sums(acc, r0, out, out_stride);
 #else
   for (int j = 0; j < nc; ++j) {
     const int32_t* row_codes = codes + j * words;
@@ -127,7 +121,7 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
         }
       }
       out[(r0 + r) * out_stride + j] =
-          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+          reduce8(acc);
     }
   }
 #endif
@@ -213,7 +207,7 @@ void fp8_row(const float* x, int64_t k, int64_t r0, const uint8_t* codes, const 
       }
       for (int l = 0; l < 8; ++l) acc[l] = std::fma(dot[l], scales[g], acc[l]);
     }
-    out[(r0 + r) * out_stride] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    out[(r0 + r) * out_stride] = reduce8(acc);
   }
 #endif
 }

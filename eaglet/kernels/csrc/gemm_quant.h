@@ -48,6 +48,23 @@ inline float reduce8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
 }
 
+template <int NR, int NC>
+inline void zero_sums(__m256 (&acc)[NR][NC]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NC; ++j) acc[r][j] = _mm256_setzero_ps();
+}
+
+// out[r0 + r][j] = the lanes of acc[r][j] reduced in reduce8's order.
+template <int NR, int NC>
+inline void store_sums(const __m256 (&acc)[NR][NC], int64_t r0, float* out, int64_t out_stride) {
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NC; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
+}
+
 // Words w0 .. w0 + 7 of a codes row (fewer at the row's end: the rest read as zero nibbles, whose
 // x values are zero too).
 inline __m256i load_words(const int32_t* codes, int64_t w0, int64_t words) {
@@ -78,6 +95,21 @@ inline void quantize_q8_0(const float* row, int64_t k, int64_t blocks, int8_t* c
       const float q = i < stop ? std::nearbyint(row[i] * inverse) : 0.0f;
       codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
     }
+  }
+}
+
+// reduce8's order on 8 scalar lane sums (the portable kernels).
+inline float reduce8(const float* lanes) {
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+// run(scales' data), typed by their dtype (bfloat16 or float32, as check_common allows).
+template <typename F>
+void with_scales(const at::Tensor& scales, F&& run) {
+  if (scales.scalar_type() == at::kBFloat16) {
+    run(scales.data_ptr<at::BFloat16>());
+  } else {
+    run(scales.data_ptr<float>());
   }
 }
 
@@ -149,11 +181,7 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::
       }
     });
   };
-  if (scales.scalar_type() == at::kBFloat16) {
-    run(scales.data_ptr<at::BFloat16>());
-  } else {
-    run(scales.data_ptr<float>());
-  }
+  with_scales(scales, run);
   return out;
 }
 
