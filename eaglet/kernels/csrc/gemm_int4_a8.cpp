@@ -59,16 +59,35 @@ struct Int8Rows {
 };
 
 #if defined(EAGLET_QUANT_AVX2)
+// The weight scales of chunk c for weight rows 0 .. NC - 1: lanes 0-3 cover k values 64c .. 64c +
+// 31, lanes 4-7 the next 32, each half within one group (zero past K where kTail).
+template <int NC, bool kTail, typename S>
+__attribute__((always_inline)) inline void chunk_scale_vectors(const S* scales, int64_t groups, const int32_t* half_group,
+                                                               int64_t c, __m256 (&weight_scale)[NC]) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NC; ++j) {
+    const float s_lo = scale_at(scales + j * groups, half_group[2 * c]);
+    const float s_hi = !kTail || half_group[2 * c + 1] >= 0 ? scale_at(scales + j * groups, half_group[2 * c + 1]) : 0.0f;
+    weight_scale[j] = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+  }
+}
+
+// Scales first .. first + 7 of a row as float32 (groups of 32: the scales of 4 chunks).
+inline __m256 eight_scales(const at::BFloat16* row_scales, int64_t first) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + first));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 eight_scales(const float* row_scales, int64_t first) { return _mm256_loadu_ps(row_scales + first); }
+
 // Chunk c of weight rows 0 .. NC - 1 against x rows r0 .. r0 + NR - 1, into acc. kTail: the chunk
-// runs past K (read through load_words, its missing half scaled by zero); kPrefetch: also ask for
-// the next block of rows' line at this place.
-template <int NR, int NC, bool kTail, bool kPrefetch, typename S>
+// runs past K (read through load_words); kPrefetch: also ask for the next block of rows' line at
+// this place.
+template <int NR, int NC, bool kTail, bool kPrefetch>
 __attribute__((always_inline)) inline void int4_a8_chunk(const Int8Rows& rows, int64_t r0, int64_t c, const int32_t* codes,
-                                                         const S* scales, int64_t words, int64_t groups,
-                                                         const int32_t* half_group, __m256 (&acc)[NR][NC]) {
+                                                         int64_t words, const __m256 (&weight_scale)[NC],
+                                                         __m256 (&acc)[NR][NC]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256i low[NC], high[NC];
-  __m256 weight_scale[NC];
 #pragma GCC unroll 8
   for (int j = 0; j < NC; ++j) {
     __m256i packed;
@@ -80,10 +99,6 @@ __attribute__((always_inline)) inline void int4_a8_chunk(const Int8Rows& rows, i
     }
     low[j] = _mm256_and_si256(packed, low4);
     high[j] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-    // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
-    const float s_lo = scale_at(scales + j * groups, half_group[2 * c]);
-    const float s_hi = !kTail || half_group[2 * c + 1] >= 0 ? scale_at(scales + j * groups, half_group[2 * c + 1]) : 0.0f;
-    weight_scale[j] = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
   }
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
@@ -101,6 +116,17 @@ __attribute__((always_inline)) inline void int4_a8_chunk(const Int8Rows& rows, i
     }
   }
 }
+
+// Chunk c with its scales read one by one (any group size, and the tail).
+template <int NR, int NC, bool kTail, bool kPrefetch, typename S>
+__attribute__((always_inline)) inline void int4_a8_chunk_scalar_scales(const Int8Rows& rows, int64_t r0, int64_t c,
+                                                                       const int32_t* codes, const S* scales, int64_t words,
+                                                                       int64_t groups, const int32_t* half_group,
+                                                                       __m256 (&acc)[NR][NC]) {
+  __m256 weight_scale[NC];
+  chunk_scale_vectors<NC, kTail>(scales, groups, half_group, c, weight_scale);
+  int4_a8_chunk<NR, NC, kTail, kPrefetch>(rows, r0, c, codes, words, weight_scale, acc);
+}
 #endif
 
 // out[r][n + j] for x rows r0 .. r0 + NR - 1 and weight rows n .. n + NC - 1.
@@ -112,14 +138,37 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
   __m256 acc[NR][NC];
   zero_sums(acc);
   const int64_t full = words / 8;
-  // Chunks in pairs, the first prefetching the next rows' line (two chunks of a row are one line).
   int64_t c = 0;
-  for (; c + 2 <= full; c += 2) {
-    int4_a8_chunk<NR, NC, false, true>(rows, r0, c, codes, scales, words, groups, half_group, acc);
-    int4_a8_chunk<NR, NC, false, false>(rows, r0, c + 1, codes, scales, words, groups, half_group, acc);
+  // Groups of 32 (Kimi-K2.5's): the scales of 4 chunks in one load per weight row, each chunk's
+  // pair of halves picked by a permute (the same float values as the scalar reads below).
+  if (half_group[1] == 1) {
+    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    for (; c + 4 <= full; c += 4) {
+      __m256 four_chunks[NC];
+#pragma GCC unroll 8
+      for (int j = 0; j < nc; ++j) four_chunks[j] = eight_scales(scales + j * groups, 2 * c);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        __m256 weight_scale[NC];
+#pragma GCC unroll 8
+        for (int j = 0; j < nc; ++j) weight_scale[j] = _mm256_permutevar8x32_ps(four_chunks[j], pick[q]);
+        // Two chunks of a row are one line: every other chunk prefetches the next rows' line.
+        if (q % 2 == 0) {
+          int4_a8_chunk<NR, NC, false, true>(rows, r0, c + q, codes, words, weight_scale, acc);
+        } else {
+          int4_a8_chunk<NR, NC, false, false>(rows, r0, c + q, codes, words, weight_scale, acc);
+        }
+      }
+    }
   }
-  if (c < full) int4_a8_chunk<NR, NC, false, true>(rows, r0, c++, codes, scales, words, groups, half_group, acc);
-  if (c < rows.chunks) int4_a8_chunk<NR, NC, true, false>(rows, r0, c, codes, scales, words, groups, half_group, acc);
+  // Chunks in pairs, the first prefetching the next rows' line.
+  for (; c + 2 <= full; c += 2) {
+    int4_a8_chunk_scalar_scales<NR, NC, false, true>(rows, r0, c, codes, scales, words, groups, half_group, acc);
+    int4_a8_chunk_scalar_scales<NR, NC, false, false>(rows, r0, c + 1, codes, scales, words, groups, half_group, acc);
+  }
+  if (c < full) int4_a8_chunk_scalar_scales<NR, NC, false, true>(rows, r0, c++, codes, scales, words, groups, half_group, acc);
+  if (c < rows.chunks) int4_a8_chunk_scalar_scales<NR, NC, true, false>(rows, r0, c, codes, scales, words, groups, half_group, acc);
   store_sums(acc, r0, out, out_stride);
 #else
   for (int j = 0; j < nc; ++j) {
