@@ -57,22 +57,25 @@ def test_int4_codes_read_as_compressed_tensors_decompresses_them(group_size):
 
 
 @pytest.mark.parametrize("linear", LINEARS)
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8_activations", [False, True], ids=["w4a16", "w4a8"])
-def test_int4_product(linear, group_size, in_features, dtype, int8_activations):
-    """W4A16, and W4A8: the product with x's int8 values, within a few percent of W4A16's."""
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["a16", "a8"])
+def test_integer_product(linear, fmt, group_size, in_features, dtype, int8_activations):
+    """W4A16 / W8A16, and W4A8 / W8A8: the product with x's int8 values, within a few percent of the
+    16-bit activations' (43 outputs: the kernels take weight rows two or four at a time for one or
+    two x rows, then one by one)."""
     needs_kernels(linear)
-    # 43 outputs: the kernels take weight rows two or four at a time for one or two x rows, then one by one.
-    matrix = int4_matrix(43, in_features, group_size, seed=in_features)
+    matrix = (int4_matrix if fmt == "int4" else int8_matrix)(43, in_features, group_size, seed=in_features)
+    bias = torch.randn(43)
     for rows in (1, 2, 5):
         x = torch.randn(rows, in_features).to(dtype)
-        out = linear(matrix, int8_activations=int8_activations).apply_float(x)
-        exact = reference(x, matrix)
+        out = linear(matrix, bias, int8_activations=int8_activations).apply_float(x)
+        exact = reference(x, matrix) + bias
         if not int8_activations:
             torch.testing.assert_close(out, exact, atol=2e-4, rtol=1e-5)
             continue
-        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix), atol=2e-4, rtol=1e-5)
+        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix) + bias, atol=2e-4, rtol=1e-5)
         assert not torch.equal(out, exact)
         assert (out - exact).norm() < 0.02 * exact.norm()
 
@@ -120,27 +123,6 @@ def test_int8_quantization_is_compressed_tensors_rule(group_size):
     assert torch.equal(matrix.codes[nonzero.repeat_interleave(group_size, 1)].float(),
                        quantize(weight, scale.bfloat16(), zero_point, args)[nonzero.repeat_interleave(group_size, 1)].float())
     assert torch.equal(matrix.codes[2], torch.zeros(256, dtype=torch.int8))
-
-
-@pytest.mark.parametrize("linear", LINEARS)
-@pytest.mark.parametrize("group_size, in_features", [(32, 32), (32, 96), (64, 320), (128, 384)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8_activations", [False, True], ids=["w8a16", "w8a8"])
-def test_int8_product(linear, group_size, in_features, dtype, int8_activations):
-    """W8A16, and W8A8: the product with x's int8 values, within a few percent of W8A16's."""
-    needs_kernels(linear)
-    matrix = int8_matrix(43, in_features, group_size, seed=in_features)
-    bias = torch.randn(43)
-    for rows in (1, 2, 5):
-        x = torch.randn(rows, in_features).to(dtype)
-        out = linear(matrix, bias, int8_activations=int8_activations).apply_float(x)
-        exact = reference(x, matrix) + bias
-        if not int8_activations:
-            torch.testing.assert_close(out, exact, atol=2e-4, rtol=1e-5)
-            continue
-        torch.testing.assert_close(out, reference(int8_activation_values(x), matrix) + bias, atol=2e-4, rtol=1e-5)
-        assert not torch.equal(out, exact)
-        assert (out - exact).norm() < 0.02 * exact.norm()
 
 
 def test_int8_kernel_refuses_a_width_of_partial_blocks():
