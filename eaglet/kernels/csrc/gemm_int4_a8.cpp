@@ -72,13 +72,6 @@ __attribute__((always_inline)) inline void chunk_scale_vectors(const S* scales, 
   }
 }
 
-// Scales first .. first + 7 of a row as float32 (groups of 32: the scales of 4 chunks).
-inline __m256 eight_scales(const at::BFloat16* row_scales, int64_t first) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + first));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 eight_scales(const float* row_scales, int64_t first) { return _mm256_loadu_ps(row_scales + first); }
-
 // Chunk c of weight rows 0 .. NC - 1 against x rows r0 .. r0 + NR - 1, into acc. kTail: the chunk
 // runs past K (read through load_words); kPrefetch: also ask for the next block of rows' line at
 // this place.
@@ -142,8 +135,6 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
   // Groups of 32 (Kimi-K2.5's): the scales of 4 chunks in one load per weight row, each chunk's
   // pair of halves picked by a permute (the same float values as the scalar reads below).
   if (half_group[1] == 1) {
-    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
     for (; c + 4 <= full; c += 4) {
       __m256 four_chunks[NC];
 #pragma GCC unroll 8
@@ -152,7 +143,7 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
       for (int q = 0; q < 4; ++q) {
         __m256 weight_scale[NC];
 #pragma GCC unroll 8
-        for (int j = 0; j < nc; ++j) weight_scale[j] = _mm256_permutevar8x32_ps(four_chunks[j], pick[q]);
+        for (int j = 0; j < nc; ++j) weight_scale[j] = chunk_of_four(four_chunks[j], q);
         // Two chunks of a row are one line: every other chunk prefetches the next rows' line.
         if (q % 2 == 0) {
           int4_a8_chunk<NR, NC, false, true>(rows, r0, c + q, codes, words, weight_scale, acc);

@@ -62,6 +62,10 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
   zero_sums(acc);
   const __m256i low4 = _mm256_set1_epi32(0xF);
   const int64_t x_stride = rows.chunks * kChunk;
+  // Groups of 32: the scales of 4 whole chunks in one load per weight row (chunk_of_four picks each
+  // chunk's pair); other groups and the last chunks read them one by one (the same values).
+  const int64_t four_chunks_end = half_group[1] == 1 ? (words / 8) / 4 * 4 : 0;
+  __m256 four[NC];
   for (int64_t c = 0; c < rows.chunks; ++c) {
     __m256i packed[NC];
 #pragma GCC unroll 8
@@ -89,9 +93,15 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
     // Lanes 0-3 cover k values 64c .. 64c + 31, lanes 4-7 the next 32: each half within one group.
 #pragma GCC unroll 8
     for (int j = 0; j < nc; ++j) {
-      float s_lo, s_hi;
-      chunk_scales(scales + j * groups, half_group, c, s_lo, s_hi);
-      const __m256 scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+      __m256 scale;
+      if (c < four_chunks_end) {
+        if (c % 4 == 0) four[j] = eight_scales(scales + j * groups, 2 * c);
+        scale = chunk_of_four(four[j], static_cast<int>(c % 4));
+      } else {
+        float s_lo, s_hi;
+        chunk_scales(scales + j * groups, half_group, c, s_lo, s_hi);
+        scale = _mm256_set_m128(_mm_set1_ps(s_hi), _mm_set1_ps(s_lo));
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < nr; ++r) {
         const __m256 off = _mm256_loadu_ps(rows.offset.data() + ((r0 + r) * rows.chunks + c) * 8);

@@ -65,6 +65,18 @@ inline void store_sums(const __m256 (&acc)[NR][NC], int64_t r0, float* out, int6
     for (int j = 0; j < NC; ++j) out[(r0 + r) * out_stride + j] = reduce8(acc[r][j]);
 }
 
+// Scales first .. first + 7 of a row as float32 (groups of 32: the scales of 4 chunks).
+inline __m256 eight_scales(const at::BFloat16* row_scales, int64_t first) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scales + first));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 eight_scales(const float* row_scales, int64_t first) { return _mm256_loadu_ps(row_scales + first); }
+
+// Chunk q (0-3) of eight_scales' four: its two scales, lanes 0-3 and 4-7 (what chunk_scales reads).
+inline __m256 chunk_of_four(__m256 four, int q) {
+  return _mm256_permutevar8x32_ps(four, _mm256_add_epi32(_mm256_set1_epi32(2 * q), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+}
+
 // Words w0 .. w0 + 7 of a codes row (fewer at the row's end: the rest read as zero nibbles, whose
 // x values are zero too).
 inline __m256i load_words(const int32_t* codes, int64_t w0, int64_t words) {
