@@ -184,8 +184,7 @@ void int4_a8_block(const Int8Rows& rows, int64_t r0, const int32_t* codes, const
           acc[lane] = std::fma(scaled, s, acc[lane]);
         }
       }
-      out[(r0 + r) * out_stride + j] =
-          reduce8(acc);
+      out[(r0 + r) * out_stride + j] = reduce8(acc);
     }
   }
 #endif

@@ -180,16 +180,11 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& codes, const at::
   const std::vector<int32_t> group_of = block_groups(k, group);
   auto run = [&](const auto* s) {
     for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      constexpr int nr = decltype(rows_at_once)::value, two = nr <= 2 ? 2 : 1;
-      int64_t col = col0;
-      for (; col + two <= col0 + cols; col += two) {
-        block(std::integral_constant<int, nr>{}, std::integral_constant<int, two>{}, rows, r0, code_data + col * k,
-              s + col * groups, groups, group_of.data(), out_data + col, n);
-      }
-      for (; col < col0 + cols; ++col) {
-        block(std::integral_constant<int, nr>{}, std::integral_constant<int, 1>{}, rows, r0, code_data + col * k,
-              s + col * groups, groups, group_of.data(), out_data + col, n);
-      }
+      constexpr int nr = decltype(rows_at_once)::value;
+      column_blocks<nr <= 2 ? 2 : 1>(col0, cols, [&](auto weight_rows, int64_t col) {
+        block(rows_at_once, weight_rows, rows, r0, code_data + col * k, s + col * groups, groups, group_of.data(),
+              out_data + col, n);
+      });
     });
   };
   with_scales(scales, run);

@@ -130,8 +130,7 @@ void int4_block(const Int4Rows& rows, int64_t r0, const int32_t* codes, const S*
           acc[w] = std::fma(dot - rows.offset[((r0 + r) * rows.chunks + c) * 8 + w], s, acc[w]);
         }
       }
-      out[(r0 + r) * out_stride + j] =
-          reduce8(acc);
+      out[(r0 + r) * out_stride + j] = reduce8(acc);
     }
   }
 #endif

@@ -162,6 +162,15 @@ void for_outputs(int64_t m, int64_t n, int64_t k, F&& body) {
   });
 }
 
+// body(NC, col) over a thread's weight rows col0 .. col0 + cols - 1: blocks of kCols rows at once
+// (NC = kCols), then the rest one at a time (NC = 1).
+template <int kCols, typename F>
+void column_blocks(int64_t col0, int64_t cols, F&& body) {
+  int64_t col = col0;
+  for (; col + kCols <= col0 + cols; col += kCols) body(std::integral_constant<int, kCols>{}, col);
+  for (; col < col0 + cols; ++col) body(std::integral_constant<int, 1>{}, col);
+}
+
 // An int4 op whole: argument checks, the output, the scale-group table, and the N outputs split
 // over threads, each thread's columns in blocks of Kernel::cols<NR> weight rows (the rest one at a
 // time). Kernel names the x form (Kernel::Rows, built once from x) and its register block
@@ -181,16 +190,11 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::
   const std::vector<int32_t> half_group = half_chunk_groups(k, group);
   auto run = [&](const auto* s) {
     for_outputs(m, n, k, [&](auto rows_at_once, int64_t col0, int64_t cols, int64_t r0) {
-      constexpr int nr = decltype(rows_at_once)::value, block = Kernel::template cols<nr>;
-      int64_t col = col0;
-      for (; col + block <= col0 + cols; col += block) {
-        Kernel::template block<nr, block>(rows, r0, code_data + col * words, s + col * groups, words, groups,
-                                          half_group.data(), out_data + col, n);
-      }
-      for (; col < col0 + cols; ++col) {
-        Kernel::template block<nr, 1>(rows, r0, code_data + col * words, s + col * groups, words, groups,
-                                      half_group.data(), out_data + col, n);
-      }
+      constexpr int nr = decltype(rows_at_once)::value;
+      column_blocks<Kernel::template cols<nr>>(col0, cols, [&](auto weight_rows, int64_t col) {
+        Kernel::template block<nr, decltype(weight_rows)::value>(rows, r0, code_data + col * words, s + col * groups,
+                                                                 words, groups, half_group.data(), out_data + col, n);
+      });
     });
   };
   with_scales(scales, run);
