@@ -235,3 +235,16 @@ def test_routed_experts_in_one_call_give_the_bits_of_the_per_expert_ops(fmt, dty
         python = QuantizedExperts(w13, w2, linear).apply(x, weights, ids)
         one_call = one_call_experts.apply(x, weights, ids)
     assert one_call.dtype == dtype and torch.equal(one_call, python)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="eaglet CPU kernels unavailable")
+def test_routed_experts_in_one_call_refuse_bad_input():
+    w13, w2 = stacked("int4", 2, 64, 32, 1), stacked("int4", 2, 32, 32, 2)
+    x, weights = torch.randn(1, 32), torch.ones(1, 1)
+    call = torch.ops.eaglet.quantized_routed_experts
+    with pytest.raises(RuntimeError, match="quantized matrix format 'int4', 'int8' or 'fp8', got 'int3'"):
+        call(x, w13.codes, w13.scales, w2.codes, w2.scales, 32, "int3", False, weights, torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"expert id 2 out of \[0, 2\)"):
+        call(x, w13.codes, w13.scales, w2.codes, w2.scales, 32, "int4", False, weights, torch.full((1, 1), 2))
+    with pytest.raises(RuntimeError, match="int8 activations run integer weights only"):
+        call(x, w13.codes, w13.scales, w2.codes, w2.scales, 32, "fp8", True, weights, torch.zeros(1, 1, dtype=torch.long))
